@@ -1,0 +1,73 @@
+"""Shared plumbing of the benchmarks: device timing and result files.
+
+Every result file under `bench/results/` is JSON with the machine, the jax version, the date
+and, for each figure, the baseline measured in the same run and the ratio to it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "num_devices": jax.device_count(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+    }
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20) -> dict[str, float]:
+    """Wall-clock seconds of `fn()` (which must return jax arrays), synchronised each call.
+
+    Returns the median, min and p90 in microseconds. On the GPU this includes the launch
+    overhead of one jitted call; benchmarks that need pure device time say so.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append((time.perf_counter() - t0) * 1e6)
+    samples.sort()
+    return {
+        "median_us": statistics.median(samples),
+        "min_us": samples[0],
+        "p90_us": samples[min(len(samples) - 1, int(0.9 * len(samples)))],
+        "iters": iters,
+    }
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Writes `bench/results/<name>-<backend>.json`; the GPU suite ships the folder back."""
+    record = {
+        "benchmark": name,
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_description(),
+        **payload,
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    fname = f"{name}-{jax.default_backend()}.json"
+    path = RESULTS_DIR / fname
+    text = json.dumps(record, indent=2, sort_keys=False, default=str)
+    path.write_text(text + "\n")
+    return path

@@ -1,0 +1,26 @@
+"""hisparse-jax: a host-tiered sparse-attention KV cache (HiSparse) for JAX and Pallas."""
+
+from hisparse_jax.attention import sparse_mla_decode
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.ops import (
+    Resolution,
+    gather_compact,
+    invalidate_written_rows,
+    mirror_rows,
+    resolve_residency,
+)
+from hisparse_jax.state import HotState, init_hot_state, reset_rows
+
+__all__ = [
+    "HiSparseConfig",
+    "HotState",
+    "Resolution",
+    "gather_compact",
+    "init_hot_state",
+    "invalidate_written_rows",
+    "mirror_rows",
+    "reset_rows",
+    "resolve_residency",
+    "sparse_mla_decode",
+]
+__version__ = "0.1.0"

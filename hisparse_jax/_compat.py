@@ -1,0 +1,130 @@
+"""Every difference between the supported jax versions (0.10.2 on Python 3.11, 0.11.2 on 3.12).
+
+Nothing else in the project may test `jax.__version__`; code that needs a version-dependent
+API calls the helper here instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as _jex_core
+from jax.experimental.compute_on import compute_on as _compute_on
+from jax.interpreters import mlir as _mlir
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# jax 0.11 turned `compute_on` from a context manager into a function transformation.
+_COMPUTE_ON_IS_FUNCTION = JAX_VERSION >= (0, 11, 0)
+# jax 0.10's Pallas interpreter cannot read operands that live in host memory; 0.11's can.
+PALLAS_INTERPRET_READS_HOST = JAX_VERSION >= (0, 11, 0)
+
+
+def on_host(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs `fn(*args)` on the host ("device_host" compute) inside a jitted computation.
+
+    The arguments must already live in host memory (`pinned_host`); the results stay there.
+    """
+    if _COMPUTE_ON_IS_FUNCTION:
+        return _compute_on(fn, compute_type="device_host",
+                           out_memory_spaces=jax.memory.Space.Host)(*args)
+    with _compute_on("device_host"):
+        return jax.jit(fn)(*args)
+
+
+def has_gpu() -> bool:
+    """True when the default backend is an NVIDIA GPU."""
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+@contextlib.contextmanager
+def triton_lowering_allowed():
+    """Silences the Pallas Triton deprecation warning for the code inside, and nowhere else.
+
+    Used only around the kernels of `pallas_kernels.triton_kernels`, which must touch
+    `pinned_host` memory, something the Mosaic GPU backend refuses today. The warning is
+    raised when XLA lowers the kernel (the first call of the enclosing jit), not when it is
+    traced: wrap kernels with `quiet_triton_call` so the lowering itself runs in here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*[Tt]riton.*deprecat.*")
+        warnings.filterwarnings("ignore", message=r".*jax-pallas-triton.*")
+        yield
+
+
+def memory_kinds(device: jax.Device | None = None) -> Sequence[str]:
+    device = device or jax.devices()[0]
+    return [m.kind for m in device.addressable_memories()]
+
+
+def in_host_memory(x: Any) -> bool:
+    """True when `x` (array or tracer) lives in host memory (`pinned_host`/`unpinned_host`)."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def to_host(x: jax.Array) -> jax.Array:
+    """Moves `x` to host memory; usable inside jit."""
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x: jax.Array) -> jax.Array:
+    """Moves `x` to device memory; usable inside jit."""
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+# --------------------------------------------------------------------------- Pallas helpers
+
+_quiet_triton_p = _jex_core.Primitive("hisparse_triton_call")
+_quiet_triton_p.multiple_results = True
+
+
+@_quiet_triton_p.def_abstract_eval
+def _quiet_triton_abstract_eval(*avals, fn, out_avals):
+    del avals, fn
+    return out_avals
+
+
+def _quiet_triton_impl(*args, fn, out_avals):
+    del out_avals
+    with triton_lowering_allowed():
+        return jax.jit(fn)(*args)
+
+
+def _quiet_triton_lowering(ctx, *args, fn, out_avals):
+    del out_avals
+    with triton_lowering_allowed():
+        return _mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+_quiet_triton_p.def_impl(_quiet_triton_impl)
+_mlir.register_lowering(_quiet_triton_p, _quiet_triton_lowering)
+
+
+def quiet_triton_call(fn: Callable[..., Sequence[jax.Array]], *args: jax.Array
+                      ) -> tuple[jax.Array, ...]:
+    """`fn(*args)` (a function of arrays returning a tuple of arrays), lowered inside
+    `triton_lowering_allowed()`.
+
+    The Pallas Triton deprecation warning fires while XLA lowers a `pallas_call`, long after
+    the kernel wrapper returned; binding the call as its own primitive whose lowering rule
+    holds the filter keeps the silencing local to these kernels. `fn` must be pure and its
+    `pallas_call`s free of effects.
+    """
+    out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype)
+                      for o in jax.eval_shape(lambda *a: tuple(fn(*a)), *args))
+    return tuple(_quiet_triton_p.bind(*args, fn=fn, out_avals=out_avals))
+
+
+def interpret_operand(x: jax.Array) -> jax.Array:
+    """An operand of a Pallas kernel run in interpret mode: moved to device memory where this
+    jax's interpreter cannot read host memory (0.10.x), else unchanged."""
+    if not PALLAS_INTERPRET_READS_HOST and in_host_memory(x):
+        return to_device(x)
+    return x

@@ -1,0 +1,71 @@
+"""`HiSparseConfig`: the static sizes of a HiSparse index group."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+MAX_HOT_SIZE = 32768  # LRU slot ids are int16
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseConfig:
+    """Static sizes shared by the hot state and the ops of one index group.
+
+    Attributes:
+      top_k: K, selected token positions per query row.
+      hot_size: H, GPU rows of a request's hot region (an LRU cache over host rows);
+        `top_k <= hot_size <= 32768`.
+      block_size: B, rows per page; shared by host, resident and hot pages.
+      max_num_reqs: S, rows of the hot state (one per concurrently served request).
+      row_width: W, elements of one KV row (576 for DeepSeek-V3.2 MLA: 512 latent + 64 rope).
+      kv_dtype: element type of KV rows.
+    """
+
+    top_k: int
+    hot_size: int
+    block_size: int
+    max_num_reqs: int
+    row_width: int = 576
+    kv_dtype: Any = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "hot_size", "block_size", "max_num_reqs", "row_width"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"HiSparseConfig.{name} must be a positive int, got {value!r}")
+        if not self.top_k <= self.hot_size:
+            raise ValueError(
+                f"HiSparseConfig.hot_size must be >= top_k (each miss needs its own slot), "
+                f"got hot_size={self.hot_size}, top_k={self.top_k}")
+        if self.hot_size > MAX_HOT_SIZE:
+            raise ValueError(
+                f"HiSparseConfig.hot_size must be <= {MAX_HOT_SIZE} (LRU slot ids are int16), "
+                f"got {self.hot_size}")
+        try:
+            dtype = jnp.dtype(self.kv_dtype)
+        except TypeError as e:
+            raise ValueError(f"HiSparseConfig.kv_dtype is not a dtype: {self.kv_dtype!r}") from e
+        object.__setattr__(self, "kv_dtype", dtype)
+        if (self.row_width * dtype.itemsize) % 16:
+            raise ValueError(
+                f"HiSparseConfig.row_width * itemsize must be a multiple of 16 bytes, got "
+                f"{self.row_width} * {dtype.itemsize} = {self.row_width * dtype.itemsize}")
+        if self.hot_size % self.block_size:
+            warnings.warn(
+                f"HiSparseConfig.hot_size={self.hot_size} is not a multiple of block_size="
+                f"{self.block_size}: the last hot page of every request is partly unused",
+                stacklevel=3)
+
+    @property
+    def hot_blocks(self) -> int:
+        """Pages in one request's hot region: ceil(hot_size / block_size)."""
+        return -(-self.hot_size // self.block_size)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_width * self.kv_dtype.itemsize

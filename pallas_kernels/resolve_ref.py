@@ -1,0 +1,145 @@
+"""resolve_residency, vectorised jnp reference: the oracle every kernel is checked against.
+
+Semantics (shared/spec/SEMANTICS.md), per batch row n with state row s = state_rows[n]:
+  * every selected position t maps to a host row g (source table) and, when its page is
+    still resident, a resident device row; resident wins, g < 0 outputs -1, the rest is
+    *pending* on g;
+  * walking the LRU oldest -> newest, a slot holding a pending g is a hit, every other slot
+    (empty, stale, out-of-range id) is evictable;
+  * misses (pending and not hit, ascending column order) take the evictables oldest first;
+  * new LRU = unused evictables ++ slots just filled (miss order) ++ hits (old LRU order).
+
+No Python loop over rows or columns: one row is sort / searchsorted / cumsum / scatter work,
+vmapped over the batch; shapes are static so it jits once per (N, K, H, table widths).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+def host_rows_of(topk: jax.Array, table: jax.Array, block_size: int) -> jax.Array:
+    """Flat rows `table[n, t // B] * B + t % B` of positions `topk` [N, K]; -1 where null.
+
+    Null: t < 0, the block index outside the table, or the block id <= 0.
+    """
+    width = table.shape[1]
+    blk = jnp.where(topk >= 0, topk // block_size, -1)
+    in_table = (blk >= 0) & (blk < width)
+    block_id = jnp.take_along_axis(table, jnp.clip(blk, 0, width - 1), axis=1)
+    ok = in_table & (block_id > 0)
+    return jnp.where(ok, block_id * block_size + jnp.where(topk >= 0, topk % block_size, 0), -1)
+
+
+def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
+    """One live batch row. g, res: int32[K]; slot_rows: int32[H]; lru: int32[H]."""
+    k = g.shape[0]
+    h = slot_rows.shape[0]
+    pending = (res < 0) & (g >= 0)
+
+    # Column lookup by host row: pending g sorted ascending (others pushed to the end).
+    key = jnp.where(pending, g, _BIG)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+
+    # Walk the LRU: which slots hold a pending g?
+    slot_in_range = (lru >= 0) & (lru < h)
+    cached = jnp.where(slot_in_range, slot_rows[jnp.clip(lru, 0, h - 1)], -1)
+    pos = jnp.clip(jnp.searchsorted(sorted_key, cached), 0, k - 1)
+    hit = (cached >= 0) & (sorted_key[pos] == cached) & pending[order[pos]]  # by LRU position
+    hit_col = jnp.where(hit, order[pos], k)                      # column served by the slot
+
+    def device_row(slot):
+        block = hot_table[jnp.clip(slot, 0, h - 1) // block_size]
+        return block * block_size + slot % block_size
+
+    # Columns served by a hit.
+    col_hit_slot = jnp.full((k,), -1, jnp.int32).at[hit_col].set(lru, mode="drop")
+    col_is_hit = col_hit_slot >= 0
+    # Evictable slots in walk order; misses take them oldest first.
+    evictable = ~hit
+    evict_rank = jnp.cumsum(evictable) - 1                      # rank among evictables
+    evict_slot = jnp.full((h,), -1, jnp.int32).at[
+        jnp.where(evictable, evict_rank, h)].set(lru, mode="drop")
+    miss = pending & ~col_is_hit
+    miss_rank = jnp.cumsum(miss) - 1
+    num_miss = miss_rank[-1] + 1 if k else 0
+    miss_slot = evict_slot[jnp.clip(miss_rank, 0, h - 1)]        # slot each miss column takes
+    miss_slot_ok = (miss_slot >= 0) & (miss_slot < h)
+
+    out = jnp.where(res >= 0, res, -1)
+    out = jnp.where(col_is_hit, device_row(col_hit_slot), out)
+    miss_dev = jnp.where(miss_slot_ok, device_row(miss_slot), -1)
+    out = jnp.where(miss, miss_dev, out)
+
+    # Swap plan, compacted by miss rank; -1 past swap_counts.
+    dst_idx = jnp.where(miss, miss_rank, k)
+    swap_src = jnp.full((k,), -1, jnp.int32).at[dst_idx].set(g, mode="drop")
+    swap_dst = jnp.full((k,), -1, jnp.int32).at[dst_idx].set(miss_dev, mode="drop")
+
+    # Slots just filled now hold their g (out-of-range slot ids write nothing).
+    fill_at = jnp.where(miss & miss_slot_ok, miss_slot, h)
+    new_slot_rows = slot_rows.at[fill_at].set(g, mode="drop")
+
+    # New LRU order: evictables ranked >= num_miss, then ranked < num_miss, then hits.
+    num_evict = h - jnp.sum(hit)
+    hit_rank = jnp.cumsum(hit) - 1
+    new_pos = jnp.where(
+        hit, num_evict + hit_rank,
+        jnp.where(evict_rank >= num_miss, evict_rank - num_miss,
+                  num_evict - num_miss + evict_rank))
+    new_lru = jnp.zeros((h,), jnp.int32).at[new_pos].set(lru)
+
+    return (out, swap_src, swap_dst, num_miss.astype(jnp.int32),
+            jnp.sum(hit).astype(jnp.int32), new_slot_rows, new_lru)
+
+
+def resolve_residency_ref(slot_rows, lru, topk, state_rows, hot_block_table,
+                          source_block_table, resident_block_table, *, block_size, host_rows):
+    """Reference resolve over a batch.
+
+    Args:
+      slot_rows: int32[S, H]; lru: int16[S, H] (the hot state).
+      topk: int32[N, K] logical positions (-1 = none).
+      state_rows: int32[N], state row per batch row; < 0 (or >= S) marks a padding row.
+      hot_block_table: int32[N, >= ceil(H / B)]; source_block_table: int32[N, Ms];
+      resident_block_table: int32[N, Mr] or None.
+    Returns:
+      (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits,
+       new_slot_rows, new_lru), dtypes as the inputs' (lru stays int16).
+    """
+    num_state_rows, h = slot_rows.shape
+    n, k = topk.shape
+    g = host_rows_of(topk, source_block_table, block_size)
+    g = jnp.where(g < host_rows, g, -1)
+    if resident_block_table is None:
+        res = jnp.full_like(g, -1)
+    else:
+        res = host_rows_of(topk, resident_block_table, block_size)
+    live = (state_rows >= 0) & (state_rows < num_state_rows)
+    srow = jnp.clip(state_rows, 0, num_state_rows - 1)
+    row_slots = slot_rows[srow]
+    row_lru = lru[srow].astype(jnp.int32)
+
+    out, swap_src, swap_dst, swap_counts, num_hits, new_rows, new_lru = jax.vmap(
+        _resolve_row, in_axes=(0, 0, 0, 0, 0, None))(
+            g, res, row_slots, row_lru, hot_block_table, block_size)
+
+    valid_counts = jnp.sum((res >= 0) | (g >= 0), axis=1, dtype=jnp.int32)
+    live_col = live[:, None]
+    attention_rows = jnp.where(live_col, out, -1)
+    swap_src = jnp.where(live_col, swap_src, -1)
+    swap_dst = jnp.where(live_col, swap_dst, -1)
+    zero = jnp.zeros((n,), jnp.int32)
+    valid_counts = jnp.where(live, valid_counts, zero)
+    swap_counts = jnp.where(live, swap_counts, zero)
+    num_hits = jnp.where(live, num_hits, zero)
+
+    write_at = jnp.where(live, srow, num_state_rows)            # padding rows write nothing
+    new_slot_rows = slot_rows.at[write_at].set(new_rows, mode="drop")
+    new_lru_state = lru.at[write_at].set(new_lru.astype(lru.dtype), mode="drop")
+    return (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits,
+            new_slot_rows, new_lru_state)

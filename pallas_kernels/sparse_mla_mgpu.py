@@ -1,0 +1,361 @@
+"""Sparse MLA decode attention as a Pallas Mosaic GPU kernel (Hopper, wgmma); jax >= 0.11.
+
+Contract: `pallas_kernels.sparse_mla_ref` (flat rows, -1 holes anywhere, all-invalid rows give
+out = 0 and lse = -inf). Public entry: `hisparse_jax.attention.sparse_mla_decode`.
+
+Design (one CTA per (query row, block of 64 heads, K split)):
+  * 2 compute warpgroups + `producer_wgs` copy warpgroups (warp specialisation, as in
+    jax's attention_mgpu.py). Q [64, D] sits in SMEM for the whole CTA; KV rows stream
+    through a `num_stages`-deep SMEM ring of [block_kv, D] tiles.
+  * Gather: the producer reads the tile's row ids from SMEM (one TMA of block_kv int32) and
+    copies each selected row as D/64 TMA boxes of [1, 64] (128 B, swizzle 128) straight into
+    the wgmma layout. Pallas can't slice one row out of an (8, 64)-tiled SMEM ref, so the ring
+    is a `RefUnion` of the tiled view (read by wgmma) and its physical view
+    [stage, block_kv/8, D/64, 8, 64] (written by the row copies); the hardware swizzles by
+    SMEM address, so a lone 128-B line lands where a full-tile copy would put it.
+    Invalid (-1) entries copy row 0 and are masked to -inf in the scores.
+  * Compute: S = Q K^T ([64, block_kv], fp32, contraction over all D) is computed by *both*
+    compute warpgroups (identical results), online softmax in base 2, then warpgroup w
+    accumulates O[:, w*v/2:(w+1)*v/2] += P V_w: a 64 x 512 fp32 accumulator needs 256
+    registers per thread, more than one warpgroup has, so the value columns are split and
+    the (cheaper, 53% of the flops) QK product is duplicated.
+  * K splits (flash-decoding) fill the GPU when N * head_blocks is small; the wrapper
+    combines the per-split (out, lse) in float32.
+  * h_q < 64 is padded to 64 heads (wgmma M = 64): memory-bound there anyway.
+
+`interpret=True` runs the same kernel under Mosaic GPU interpret mode on the CPU (jax 0.11):
+the only difference is that row copies target the tiled view directly (the interpreter
+models refs logically, not by address), so everything but the physical-view aliasing and
+the hardware swizzle is checked on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK_H = 64          # heads per CTA: the wgmma M of one warpgroup
+_CHUNK = 64           # 128-byte swizzle: 64 bf16 columns per tile column
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_INIT = -1e30       # finite running-max start: fully masked tiles stay NaN-free
+_NUM_SMS = 132        # H100/H200 SXM; only used to choose the number of K splits
+_SMEM_BYTES = 232448  # opt-in shared memory per block on Hopper (227 KiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Knobs of the kernel; the only bag of tuning parameters.
+
+    block_kv: KV rows per pipeline step (wgmma N of Q K^T, K of P V); multiple of 64.
+    num_stages: depth of the KV SMEM ring (Q 72 KiB + num_stages * block_kv * D * 2 B <= 227 KiB;
+      1 = no overlap of gather and compute, the simple variant).
+    producer_wgs: warpgroups that issue the row copies (1 or 2; more issuing threads).
+    num_splits: K splits per (row, head block); None = enough CTAs to fill the GPU.
+    compute_registers / producer_registers: setmaxnreg targets; 128 * (2 * compute +
+      producer_wgs * producer) must be <= 65536 (None: the most that fits, at most 40).
+    interpret: run under Mosaic GPU interpret mode (CPU testing).
+    """
+
+    block_kv: int = 64
+    num_stages: int = 2
+    producer_wgs: int = 1
+    num_splits: int | None = None
+    compute_registers: int = 232
+    producer_registers: int | None = None
+    interpret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            # P V contracts over block_kv with a 128-byte-swizzled V: K % 64 == 0.
+            raise ValueError(f"TuningConfig.block_kv must be a multiple of 64 in [64, 256], "
+                             f"got {self.block_kv}")
+        if self.num_stages < 1:
+            raise ValueError(f"TuningConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.producer_wgs not in (1, 2):
+            raise ValueError(f"TuningConfig.producer_wgs must be 1 or 2, got {self.producer_wgs}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"TuningConfig.num_splits must be None or >= 1, got {self.num_splits}")
+        if self.producer_registers is None:
+            spare = (512 - 2 * self.compute_registers) // self.producer_wgs
+            object.__setattr__(self, "producer_registers", max(24, min(40, spare // 8 * 8)))
+        regs = 128 * (2 * self.compute_registers + self.producer_wgs * self.producer_registers)
+        if regs > 65536:
+            raise ValueError(f"TuningConfig registers exceed the 64K register file: {regs}")
+
+
+# The variants the GPU tests and the benchmark run; the first is the default.
+VARIANTS: dict[str, TuningConfig] = {
+    "pipelined": TuningConfig(),                                  # 2-deep ring, 1 producer WG
+    "two_producers": TuningConfig(producer_wgs=2),                # 2 threads issue row copies
+    "simple": TuningConfig(num_stages=1),                         # no gather/compute overlap
+    "no_split": TuningConfig(num_splits=1),                       # one CTA per (row, heads)
+}
+
+
+def _choose_splits(num_rows: int, head_blocks: int, num_tiles: int, cfg: TuningConfig) -> int:
+    """Largest useful K split count: about one wave of CTAs, >= 2 tiles per split."""
+    if cfg.num_splits is not None:
+        want = cfg.num_splits
+    else:
+        ctas = num_rows * head_blocks
+        want = max(1, _NUM_SMS // max(ctas, 1))
+        want = min(want, max(1, num_tiles // 2))
+    want = max(1, min(want, num_tiles))
+    while num_tiles % want:
+        want -= 1
+    return want
+
+
+def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: int,
+                 cfg: TuningConfig):
+    """q [T, Hp, D] (Hp % 64 == 0), kv_rows [R, D], rows3 int32 [T, n_tiles, block_kv].
+
+    Returns out [T, S, Hp, v_width] (q.dtype, normalised within each split) and
+    lse2 [T, S, Hp] float32 (base-2 log-sum-exp of scale2 * q.k).
+    """
+    num_rows, h_pad, width = q.shape
+    _, num_tiles, bkv = rows3.shape
+    head_blocks = h_pad // BLOCK_H
+    tiles_per_split = num_tiles // num_splits
+    stages = min(cfg.num_stages, tiles_per_split)
+    n_chunks = width // _CHUNK
+    smem_bytes = (BLOCK_H * width + stages * bkv * width) * q.dtype.itemsize + 4096
+    if smem_bytes > _SMEM_BYTES:
+        raise ValueError(f"TuningConfig(block_kv={bkv}, num_stages={stages}) needs about "
+                         f"{smem_bytes} B of shared memory at D={width}; the limit is "
+                         f"{_SMEM_BYTES}")
+    v_half = v_width // 2
+    dtype = q.dtype
+    n_prod = cfg.producer_wgs
+    rows_per_producer = bkv // n_prod
+
+    def body(q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_union, idx_smem, lse_smem,
+             q_bar, idx_bar, kv_bar, consumed_bar, done_bar, p_scratch=None):
+        hblk = lax.axis_index("hblk")
+        split = lax.axis_index("split")
+        row = lax.axis_index("row")
+        wg = lax.axis_index("wg")
+        q_smem, o_smem2 = qo_union
+        if cfg.interpret:
+            kv_tiled = kv_union
+            kv_phys = None
+        else:
+            kv_tiled, kv_phys = kv_union
+        tile0 = split * tiles_per_split
+
+        def compute(w: int):
+            """Compute warpgroup w: full S, value columns [w * v_half, (w + 1) * v_half)."""
+            plgpu.set_max_registers(cfg.compute_registers, action="increase")
+
+            @pl.when(w == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(hblk * BLOCK_H, BLOCK_H)], q_smem,
+                                        q_bar)
+            plgpu.barrier_wait(q_bar)
+
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), _M_INIT, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((BLOCK_H, v_half), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+
+            def step(t, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(t, stages)
+                plgpu.barrier_wait(idx_bar.at[slot])
+                plgpu.barrier_wait(kv_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kv_tiled.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, bkv), jnp.float32))
+                ids = plgpu.load(idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                bias = jnp.where(ids >= 0, 0.0, -jnp.inf).astype(jnp.float32)
+                s = s * scale2 + lax.broadcast_in_dim(bias, s.shape, [1])
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                v_ref = kv_tiled.at[slot, :, pl.ds(w * v_half, v_half)]
+                p16 = p.astype(dtype)
+                if cfg.interpret:
+                    # The interpreter has neither run_state nor register-A wgmma: P goes
+                    # through SMEM and the product is added in registers (same math).
+                    p_smem = p_scratch.at[w]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def pv_fresh(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_ref)
+                        return acc_ref[...]
+                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_H, v_half), jnp.float32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_ref)
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(consumed_bar.at[slot])
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, tiles_per_split, step, (acc, m_i, l_i))
+
+            # Both warpgroups are done with Q before Q's SMEM (aliased by o_smem2) holds O.
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            inv_l = 1.0 / jnp.maximum(l_i, 1e-30)   # all-masked row: acc = 0, l = 0 -> out 0
+            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+            o_smem = o_smem2.at[w]
+            o_smem[...] = out.astype(dtype)
+            if w == 0:
+                lse_smem[...] = m_i + jnp.log2(l_i)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem,
+                out_ref.at[row, split, pl.ds(hblk * BLOCK_H, BLOCK_H), pl.ds(w * v_half, v_half)])
+            if w == 0:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, split, pl.ds(hblk * BLOCK_H,
+                                                                                 BLOCK_H)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def produce(pw: int):
+            """Producer warpgroup pw: rows pw, pw + n_prod, ... of every tile."""
+            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+
+            def load_tile(t, slot):
+                if pw == 0:
+                    plgpu.copy_gmem_to_smem(rows_ref.at[row, tile0 + t], idx_smem.at[slot],
+                                            idx_bar.at[slot])
+                plgpu.barrier_wait(idx_bar.at[slot])
+
+                def copy_row(i, c):
+                    j = i * n_prod + pw
+                    src_row = jnp.maximum(idx_smem[slot, j], 0)
+                    for ch in range(n_chunks):
+                        src = kv_ref.at[pl.ds(src_row, 1), pl.ds(ch * _CHUNK, _CHUNK)]
+                        if kv_phys is None:
+                            dst = kv_tiled.at[slot, pl.ds(j, 1), pl.ds(ch * _CHUNK, _CHUNK)]
+                        else:
+                            dst = kv_phys.at[slot, j // 8, ch, pl.ds(j % 8, 1)]
+                        plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot])
+                    return c
+                lax.fori_loop(0, rows_per_producer, copy_row, None)
+
+            for t in range(stages):
+                load_tile(t, t)
+
+            def refill(t, c):
+                slot = lax.rem(t, stages)
+                plgpu.barrier_wait(consumed_bar.at[slot])
+                load_tile(t, slot)
+                return c
+            lax.fori_loop(stages, tiles_per_split, refill, None)
+            # Observe the last consumption of every slot before exiting (barrier phases are
+            # then balanced; the interpreter checks this, the hardware does not need it).
+            for t in range(max(tiles_per_split - stages, 0), tiles_per_split):
+                plgpu.barrier_wait(consumed_bar.at[t % stages])
+
+        for w in range(2):
+            pl.when(wg == w)(functools.partial(compute, w))
+        for pw in range(n_prod):
+            pl.when(wg == 2 + pw)(functools.partial(produce, pw))
+
+    swz = plgpu.SwizzleTransform(128)
+    tiled = (plgpu.TilingTransform((8, _CHUNK)), swz)
+    kv_tiled_t = plgpu.SMEM((stages, bkv, width), dtype, transforms=tiled)
+    if cfg.interpret:
+        kv_scratch = kv_tiled_t
+    else:
+        kv_phys_t = plgpu.SMEM((stages, bkv // 8, n_chunks, 8, _CHUNK), dtype, transforms=(swz,))
+        kv_scratch = plgpu.RefUnion(kv_tiled_t, kv_phys_t)
+    scratch = [
+        plgpu.RefUnion(plgpu.SMEM((BLOCK_H, width), dtype, transforms=tiled),        # Q,
+                       plgpu.SMEM((2, BLOCK_H, v_half), dtype, transforms=tiled)),  # then O
+        kv_scratch,
+        plgpu.SMEM((stages, bkv), jnp.int32),                           # row ids of each tile
+        plgpu.SMEM((BLOCK_H,), jnp.float32),                            # lse staging
+        plgpu.Barrier(),                                                # Q landed
+        plgpu.Barrier(num_barriers=stages),                             # row ids landed
+        plgpu.Barrier(num_arrivals=bkv * n_chunks, num_barriers=stages),  # KV tile landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),             # KV tile consumed
+        plgpu.Barrier(num_arrivals=2),                                  # compute done
+    ]
+    if cfg.interpret:
+        scratch.append(plgpu.SMEM((2, BLOCK_H, bkv), dtype, transforms=(
+            plgpu.TilingTransform((8, min(bkv, _CHUNK))), plgpu.SwizzleTransform(
+                min(bkv, _CHUNK) * 2))))
+    out_type = (
+        jax.ShapeDtypeStruct((num_rows, num_splits, h_pad, v_width), dtype),
+        jax.ShapeDtypeStruct((num_rows, num_splits, h_pad), jnp.float32),
+    )
+    kwargs = {}
+    if cfg.interpret:
+        kwargs["interpret"] = plgpu.InterpretGPUParams()
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(head_blocks, num_splits, num_rows),
+        grid_names=("hblk", "split", "row"),
+        num_threads=2 + n_prod,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )
+    return kernel(q, kv_rows, rows3)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "config"))
+def sparse_mla_decode_mgpu(
+    q: jax.Array,
+    kv_rows: jax.Array,
+    attention_rows: jax.Array,
+    *,
+    sm_scale: float,
+    v_width: int = 512,
+    config: TuningConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D], rows int32 [T, K].
+
+    Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
+    """
+    cfg = config or TuningConfig()
+    num_rows, h_q, width = q.shape
+    top_k = attention_rows.shape[1]
+    if width % _CHUNK or v_width % 128 or v_width > width:
+        raise ValueError(f"mosaic_gpu kernel needs D % 64 == 0 and v_width % 128 == 0, "
+                         f"got D={width}, v_width={v_width}")
+    bkv = cfg.block_kv
+    h_pad = -(-h_q // BLOCK_H) * BLOCK_H
+    num_tiles = -(-top_k // bkv)
+    splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
+    rows = attention_rows
+    if num_tiles * bkv != top_k:
+        rows = jnp.pad(rows, ((0, 0), (0, num_tiles * bkv - top_k)), constant_values=-1)
+    rows3 = rows.reshape(num_rows, num_tiles, bkv)
+    q_pad = q if h_pad == h_q else jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
+    scale2 = float(sm_scale) * _LOG2E
+    out, lse2 = _kernel_call(q_pad, kv_rows, rows3, scale2=scale2, v_width=v_width,
+                             num_splits=splits, cfg=cfg)
+    out, lse2 = out[:, :, :h_q], lse2[:, :, :h_q]
+    if splits == 1:
+        return out[:, 0], lse2[:, 0] * _LN2
+    # Combine the splits (flash-decoding): weights 2^(lse2_s - max), all -inf -> zeros / -inf.
+    m = jnp.max(lse2, axis=1)                                     # [T, h]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp2(lse2 - m_safe[:, None])                          # [T, S, h]
+    total = jnp.sum(w, axis=1)
+    comb = jnp.einsum("tsh,tshv->thv", w, out.astype(jnp.float32))
+    comb = comb / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, (m_safe + jnp.log2(jnp.where(total > 0, total, 1.0))) * _LN2,
+                    -jnp.inf)
+    return comb.astype(q.dtype), lse.astype(jnp.float32)

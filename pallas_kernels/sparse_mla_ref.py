@@ -1,0 +1,53 @@
+"""jnp reference of sparse MLA decode attention: gather the selected rows, softmax in float32.
+
+The contract it defines (and every kernel backend reproduces):
+
+  q:               [T, h_q, D]   query rows (T = number of query rows, D = 576 for DSV3.2)
+  kv_cache_rows:   [R, D]        flat device rows (num_blocks * B of them), one latent head (MQA)
+  attention_rows:  int32 [T, K]  row of `kv_cache_rows` per selected token, -1 = masked
+                                 (holes may be anywhere); valid entries are in [0, R)
+  sm_scale:        float         softmax scale applied to q . k
+
+  out[t, h] = sum_k softmax_k(sm_scale * q[t, h] . kv[rows[t, k]]) * kv[rows[t, k], :v_width]
+  lse[t, h] = log sum_k exp(sm_scale * q[t, h] . kv[rows[t, k]])      (natural log, float32)
+
+A row with no valid entry gives out = 0 and lse = -inf. `out` has q's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width"))
+def sparse_mla_decode_ref(
+    q: jax.Array,
+    kv_cache_rows: jax.Array,
+    attention_rows: jax.Array,
+    *,
+    sm_scale: float,
+    v_width: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Reference sparse MLA decode over flat rows; shapes as in the module docstring.
+
+    Returns (out [T, h_q, v_width] in q.dtype, lse float32 [T, h_q]).
+    """
+    valid = attention_rows >= 0                                     # [T, K]
+    safe_rows = jnp.where(valid, attention_rows, 0)
+    kv = jnp.take(kv_cache_rows, safe_rows, axis=0, mode="clip")   # [T, K, D]
+    kv = kv.astype(jnp.float32)
+    qf = q.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("thd,tkd->thk", qf, kv, precision=hi) * jnp.float32(sm_scale)
+    scores = jnp.where(valid[:, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1)                                    # [T, h]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m_safe[..., None])                         # masked -> exp(-inf) = 0
+    denom = jnp.sum(p, axis=-1)                                     # [T, h]
+    out = jnp.einsum("thk,tkv->thv", p, kv[..., :v_width], precision=hi)
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out.astype(q.dtype), lse.astype(jnp.float32)

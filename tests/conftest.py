@@ -1,0 +1,44 @@
+"""Shared test set-up: the `gpu` marker, hypothesis profiles, x64 off, pinned host helpers."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=int(os.environ.get("HISPARSE_EXAMPLES", "60")), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "long", max_examples=int(os.environ.get("HISPARSE_EXAMPLES", "2000")), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HISPARSE_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _on_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _on_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (jax.default_backend() != 'gpu')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pinned_host():
+    """A SingleDeviceSharding in pinned_host memory on the first device."""
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+
+@pytest.fixture(scope="session")
+def on_device():
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")

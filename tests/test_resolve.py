@@ -1,0 +1,281 @@
+"""resolve_residency: the reference against the loop oracle, and the canonical facts."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import hisparse_jax as hs
+from pallas_kernels.resolve_ref import resolve_residency_ref
+from tests.oracle import oracle_resolve, random_case
+
+TOP_KS = [1, 31, 32, 33, 63, 64, 65, 128, 2048]
+OUTPUT_FIELDS = ("attention_rows", "valid_counts", "swap_src", "swap_dst", "swap_counts",
+                 "num_hits")
+
+
+def run_public(case, backend="reference"):
+    state = hs.HotState(jnp.asarray(case.slot_rows), jnp.asarray(case.lru))
+    res_table = None if case.res_table is None else jnp.asarray(case.res_table)
+    return hs.resolve_residency(
+        state, jnp.asarray(case.topk), state_rows=jnp.asarray(case.state_rows),
+        hot_block_table=jnp.asarray(case.hot_table),
+        source_block_table=jnp.asarray(case.src_table), resident_block_table=res_table,
+        block_size=case.block_size, host_rows=case.host_rows, backend=backend)
+
+
+def assert_matches_oracle(case, resolution, state):
+    want, want_rows, want_lru = oracle_resolve(*case.args(), case.block_size, case.host_rows)
+    for field in OUTPUT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(resolution, field)), want[field],
+                                      err_msg=field)
+    np.testing.assert_array_equal(np.asarray(state.slot_rows), want_rows, err_msg="slot_rows")
+    np.testing.assert_array_equal(np.asarray(state.lru), want_lru, err_msg="lru (exact order)")
+    assert state.lru.dtype == jnp.int16 and state.slot_rows.dtype == jnp.int32
+
+
+@given(seed=st.integers(0, 2**32 - 1), k=st.sampled_from(TOP_KS),
+       mult=st.sampled_from([1, 2, 5]), resident_share=st.sampled_from([0.0, 0.4]),
+       corrupt_lru=st.booleans())
+def test_reference_matches_oracle(seed, k, mult, resident_share, corrupt_lru):
+    # One compiled shape per (k, mult): every example is 4 batch rows, padding included.
+    rng = np.random.default_rng(seed)
+    block_size = 4 if k < 64 else 16
+    src_blocks = max(1, (k + k // 2) // block_size)
+    case = random_case(rng, n=4, k=k, hot=k * mult, block_size=block_size,
+                       src_blocks=src_blocks, resident_share=resident_share,
+                       corrupt_lru=corrupt_lru)
+    resolution, state = run_public(case)
+    assert_matches_oracle(case, resolution, state)
+
+
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(2, 6))
+def test_reference_matches_oracle_over_steps(seed, steps):
+    """State carried across steps (a realistic LRU) with topk sets drawn from a small pool."""
+    rng = np.random.default_rng(seed)
+    n, k, hot, b = 3, 32, 64, 8
+    case = random_case(rng, n=n, k=k, hot=hot, block_size=b, src_blocks=12)
+    for _ in range(steps):
+        fresh = random_case(rng, n=n, k=k, hot=hot, block_size=b, src_blocks=12,
+                            resident_share=float(rng.choice([0.0, 0.4])))
+        case.topk, case.res_table = fresh.topk, fresh.res_table
+        resolution, state = run_public(case)
+        assert_matches_oracle(case, resolution, state)
+        case.slot_rows, case.lru = np.asarray(state.slot_rows), np.asarray(state.lru)
+
+
+# ----------------------------------------------------------------------------- canonical
+
+
+def identity_setup(k, hot, b, n=1):
+    """Positions 0..K-1 over host blocks 1.. (g = B + t) and hot blocks 100..."""
+    cfg = hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=b, max_num_reqs=n, row_width=8,
+                            kv_dtype="float32")
+    blocks = -(-4 * k // b)
+    src = jnp.tile(jnp.arange(1, blocks + 1, dtype=jnp.int32), (n, 1))
+    hot_table = jnp.tile(jnp.arange(100, 100 + cfg.hot_blocks, dtype=jnp.int32), (n, 1))
+    kw = dict(state_rows=jnp.arange(n, dtype=jnp.int32), hot_block_table=hot_table,
+              source_block_table=src, block_size=b, host_rows=(blocks + 1) * b)
+    return cfg, kw
+
+
+@pytest.mark.parametrize("k,hot", [(4, 8), (32, 32), (64, 160), (2048, 4096)])
+def test_cold_start(k, hot):
+    b = 16
+    cfg, kw = identity_setup(k, hot, b)
+    topk = jnp.arange(k, dtype=jnp.int32)[None]
+    res, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, **kw)
+    slots = np.arange(k)
+    np.testing.assert_array_equal(res.attention_rows[0], 100 * b + slots)   # column i -> slot i
+    np.testing.assert_array_equal(res.swap_src[0], b + slots)               # swap_src == g
+    np.testing.assert_array_equal(res.swap_dst[0], 100 * b + slots)
+    np.testing.assert_array_equal(state.lru[0], np.roll(np.arange(hot), -k))
+    assert int(res.swap_counts[0]) == k and int(res.num_hits[0]) == 0
+    assert int(res.valid_counts[0]) == k
+
+
+@pytest.mark.parametrize("k,hot", [(33, 66), (2048, 4096)])
+def test_warm_replay_is_a_fixed_point(k, hot):
+    cfg, kw = identity_setup(k, hot, 16)
+    rng = np.random.default_rng(0)
+    topk = jnp.asarray(rng.permutation(2 * k)[:k][None].astype(np.int32))
+    first, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, **kw)
+    again, state2 = hs.resolve_residency(state, topk, **kw)
+    assert int(again.swap_counts[0]) == 0 and int(again.num_hits[0]) == k
+    np.testing.assert_array_equal(again.attention_rows, first.attention_rows)
+    np.testing.assert_array_equal(again.swap_src, -1)
+    chex.assert_trees_all_equal(state2, state)
+
+
+def test_drifting_window_evicts_only_the_oldest():
+    k, hot, b, drift = 64, 128, 8, 5
+    cfg, kw = identity_setup(k, hot, b)
+    state = hs.init_hot_state(cfg)
+    for step in range(20):
+        topk = jnp.arange(step * drift, step * drift + k, dtype=jnp.int32)[None]
+        old_lru = np.asarray(state.lru[0])
+        old_rows = np.asarray(state.slot_rows[0])
+        res, state = hs.resolve_residency(state, topk, **kw)
+        misses = int(res.swap_counts[0])
+        assert misses == (k if step == 0 else drift)
+        assert int(res.num_hits[0]) == k - misses
+        changed = np.flatnonzero(np.asarray(state.slot_rows[0]) != old_rows)
+        filled = np.asarray(res.swap_dst[0, :misses]) - 100 * b               # slot ids
+        # The misses took exactly the oldest `misses` slots, in LRU order.
+        np.testing.assert_array_equal(filled, old_lru[:misses])
+        np.testing.assert_array_equal(np.sort(changed), np.sort(filled[old_rows[filled] !=
+                                                                      np.asarray(state.slot_rows[0])[filled]]))
+        # Newest positions are the hits, in their old order, after the fresh fills.
+        new_lru = np.asarray(state.lru[0])
+        np.testing.assert_array_equal(new_lru[hot - k: hot - k + misses], filled)
+
+
+def test_fully_resident_rows_leave_state_untouched():
+    k, hot, b = 32, 64, 8
+    cfg, kw = identity_setup(k, hot, b, n=2)
+    state0 = hs.init_hot_state(cfg)
+    topk = jnp.tile(jnp.arange(k, dtype=jnp.int32), (2, 1))
+    _, warm = hs.resolve_residency(state0, topk, **kw)         # some hot content
+    resident = jnp.tile(jnp.arange(500, 500 + kw["source_block_table"].shape[1],
+                                   dtype=jnp.int32), (2, 1))
+    res, state = hs.resolve_residency(warm, topk + k, resident_block_table=resident, **kw)
+    chex.assert_trees_all_equal(state, warm)
+    want_rows = np.tile(500 * b + np.arange(k, 2 * k), (2, 1))
+    np.testing.assert_array_equal(res.attention_rows, want_rows)
+    np.testing.assert_array_equal(res.swap_counts, 0)
+    np.testing.assert_array_equal(res.num_hits, 0)
+    np.testing.assert_array_equal(res.valid_counts, k)
+
+
+def test_resident_table_is_optional():
+    rng = np.random.default_rng(3)
+    case = random_case(rng, n=2, k=8, hot=16, block_size=4, src_blocks=4)
+    case.res_table = None
+    resolution, state = run_public(case)
+    assert_matches_oracle(case, resolution, state)
+
+
+def test_padding_rows_output_nothing_and_keep_state():
+    k, hot, b = 8, 16, 4
+    cfg, kw = identity_setup(k, hot, b, n=2)
+    kw["state_rows"] = jnp.array([-1, 1], jnp.int32)
+    topk = jnp.tile(jnp.arange(k, dtype=jnp.int32), (2, 1))
+    state0 = hs.init_hot_state(cfg)
+    res, state = hs.resolve_residency(state0, topk, **kw)
+    np.testing.assert_array_equal(res.attention_rows[0], -1)
+    assert int(res.valid_counts[0]) == 0 and int(res.swap_counts[0]) == 0
+    np.testing.assert_array_equal(state.slot_rows[0], state0.slot_rows[0])
+    np.testing.assert_array_equal(state.lru[0], state0.lru[0])
+    assert int(res.swap_counts[1]) == k
+
+
+# ----------------------------------------------------------------------------- jit / traces
+
+
+class ReferenceVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_reference_function_variants(self):
+        rng = np.random.default_rng(7)
+        case = random_case(rng, n=3, k=16, hot=32, block_size=4, src_blocks=6,
+                           resident_share=0.4)
+        fn = self.variant(lambda *a: resolve_residency_ref(
+            *a, block_size=case.block_size, host_rows=case.host_rows))
+        out = fn(*[jnp.asarray(x) for x in case.args()])
+        chex.assert_shape(out[0], (3, 16))
+        chex.assert_shape(out[6], case.slot_rows.shape)
+        want, want_rows, want_lru = oracle_resolve(*case.args(), case.block_size,
+                                                   case.host_rows)
+        for got, field in zip(out[:6], OUTPUT_FIELDS, strict=True):
+            np.testing.assert_array_equal(got, want[field])
+        np.testing.assert_array_equal(out[6], want_rows)
+        np.testing.assert_array_equal(out[7], want_lru)
+
+
+def test_public_op_traces_once_per_shape():
+    cfg, kw = identity_setup(16, 32, 4, n=2)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(state, topk):
+        return hs.resolve_residency(state, topk, **kw)
+
+    state = hs.init_hot_state(cfg)
+    for shift in range(3):
+        topk = jnp.tile(jnp.arange(shift, shift + 16, dtype=jnp.int32), (2, 1))
+        _, state = step(state, topk)
+    chex.clear_trace_counter()
+
+
+def test_usable_under_jit_with_donated_state():
+    cfg, kw = identity_setup(16, 32, 4, n=2)
+    step = jax.jit(lambda s, t: hs.resolve_residency(s, t, **kw), donate_argnums=0)
+    state = hs.init_hot_state(cfg)
+    topk = jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1))
+    res, state = step(state, topk)
+    res2, state = step(state, topk)
+    np.testing.assert_array_equal(res2.attention_rows, res.attention_rows)
+    assert int(res2.num_hits.sum()) == 32
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _good_args():
+    cfg, kw = identity_setup(8, 16, 4, n=2)
+    return hs.init_hot_state(cfg), jnp.zeros((2, 8), jnp.int32), kw
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda s, t, kw: (s, t.astype(jnp.float32), kw), "topk must be int32"),
+    (lambda s, t, kw: (s, t[0], kw), "topk must have rank 2"),
+    (lambda s, t, kw: (s, jnp.zeros((2, 17), jnp.int32), kw), "top_k <= hot_size"),
+    (lambda s, t, kw: (s, t, {**kw, "state_rows": jnp.zeros(3, jnp.int32)}),
+     "state_rows has 3 entries"),
+    (lambda s, t, kw: (s, t, {**kw, "hot_block_table": kw["hot_block_table"][:, :3]}),
+     "hot_block_table must be"),
+    (lambda s, t, kw: (s, t, {**kw, "source_block_table": kw["source_block_table"][:1]}),
+     "source_block_table must be"),
+    (lambda s, t, kw: (s, t, {**kw, "block_size": 0}), "block_size must be >= 1"),
+    (lambda s, t, kw: (s, t, {**kw, "state_rows": jnp.array([0, 5], jnp.int32)}),
+     "state_rows must be < max_num_reqs"),
+    (lambda s, t, kw: (s, t, {**kw, "state_rows": jnp.array([1, 1], jnp.int32)}),
+     "must not repeat"),
+    (lambda s, t, kw: (hs.HotState(s.slot_rows, s.lru.astype(jnp.int32)), t, kw),
+     "state.lru must be int16"),
+    (lambda s, t, kw: (s, t, {**kw, "backend": "cuda"}), "backend must be one of"),
+])
+def test_bad_input_names_the_argument(mutate, match):
+    state, topk, kw = mutate(*_good_args())
+    with pytest.raises((ValueError, TypeError), match=match):
+        hs.resolve_residency(state, topk, **kw)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="hot_size must be >= top_k"):
+        hs.HiSparseConfig(top_k=64, hot_size=32, block_size=16, max_num_reqs=1)
+    with pytest.raises(ValueError, match="hot_size must be <= 32768"):
+        hs.HiSparseConfig(top_k=64, hot_size=40000, block_size=16, max_num_reqs=1)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        hs.HiSparseConfig(top_k=4, hot_size=8, block_size=0, max_num_reqs=1)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        hs.HiSparseConfig(top_k=4, hot_size=8, block_size=4, max_num_reqs=1, row_width=3)
+    with pytest.warns(UserWarning, match="not a multiple of block_size"):
+        cfg = hs.HiSparseConfig(top_k=4, hot_size=10, block_size=4, max_num_reqs=1,
+                                row_width=8)
+    assert cfg.hot_blocks == 3 and cfg.row_bytes == 16
+
+
+def test_reset_rows_empties_only_named_rows():
+    cfg, kw = identity_setup(8, 16, 4, n=2)
+    topk = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+    _, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, **kw)
+    cleared = hs.reset_rows(state, jnp.array([1, -1], jnp.int32))
+    np.testing.assert_array_equal(cleared.slot_rows[1], -1)
+    np.testing.assert_array_equal(cleared.lru[1], np.arange(16))
+    np.testing.assert_array_equal(cleared.slot_rows[0], state.slot_rows[0])
+    np.testing.assert_array_equal(cleared.lru[0], state.lru[0])

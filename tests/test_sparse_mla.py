@@ -1,0 +1,224 @@
+"""Sparse MLA decode attention: reference and kernel against a float64 numpy reference.
+
+CPU: the jnp reference (randomised with hypothesis), argument validation, the
+multi-query-row form, and the Mosaic GPU kernel under Mosaic GPU interpret mode at small
+shapes (where this jax has it). GPU (`pytest -m gpu`): the compiled kernel, every
+TuningConfig variant of the benchmark, fresh random inputs with -1 holes anywhere and
+all-invalid rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse_jax.attention import sparse_mla_decode
+from pallas_kernels.sparse_mla_ref import sparse_mla_decode_ref
+
+SM_SCALE = 1.0 / math.sqrt(192.0)
+
+
+def np_reference(q, kv_rows, rows, sm_scale, v_width):
+    """float64 numpy sparse attention; q [T, h, D], kv_rows [R, D], rows [T, K]."""
+    q = np.asarray(q, np.float64)
+    kv = np.asarray(kv_rows, np.float64)
+    rows = np.asarray(rows)
+    t_n, h_n, _ = q.shape
+    out = np.zeros((t_n, h_n, v_width))
+    lse = np.full((t_n, h_n), -np.inf)
+    for t in range(t_n):
+        sel = rows[t][rows[t] >= 0]
+        if sel.size == 0:
+            continue
+        k = kv[sel]                                   # [k, D]
+        s = q[t] @ k.T * sm_scale                     # [h, k]
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        denom = p.sum(axis=1, keepdims=True)
+        out[t] = (p / denom) @ k[:, :v_width]
+        lse[t] = (m + np.log(denom))[:, 0]
+    return out, lse
+
+
+def make_inputs(seed, n, h, top_k, num_rows, *, width=576, dtype=jnp.bfloat16, hole_frac=0.2,
+                invalid_rows=(), s_q=None):
+    """Fresh random q, kv_cache [num_blocks, 16, width], rows with -1 holes anywhere."""
+    rng = np.random.default_rng(seed)
+    lead = (n,) if s_q is None else (n, s_q)
+    q = jnp.asarray(rng.standard_normal((*lead, h, width)), dtype)
+    block = 16
+    num_blocks = -(-num_rows // block)
+    kv = jnp.asarray(rng.standard_normal((num_blocks, block, width)), dtype)
+    rows = rng.integers(0, num_blocks * block, size=(*lead, top_k)).astype(np.int32)
+    rows[rng.random(rows.shape) < hole_frac] = -1
+    for r in invalid_rows:
+        rows.reshape(-1, top_k)[r] = -1
+    return q, kv, jnp.asarray(rows)
+
+
+def assert_close(out, lse, q, kv, rows, *, v_width=512, tol=1e-2):
+    width = q.shape[-1]
+    ref_out, ref_lse = np_reference(q.reshape(-1, *q.shape[-2:]), kv.reshape(-1, width),
+                                    rows.reshape(-1, rows.shape[-1]), SM_SCALE, v_width)
+    out = np.asarray(out, np.float64).reshape(ref_out.shape)
+    lse = np.asarray(lse, np.float64).reshape(ref_lse.shape)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    err = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
+    assert err < tol, f"relative error {err:.3e} >= {tol}"
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    assert np.all(lse[~finite] == -np.inf)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-2)
+    dead = ~finite.any(axis=1)                        # all-invalid query rows
+    assert np.all(out[dead] == 0.0)
+
+
+# ---------------------------------------------------------------- reference (CPU and GPU)
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 3), h=st.sampled_from([1, 4, 16]),
+       top_k=st.integers(1, 40), hole_frac=st.sampled_from([0.0, 0.3, 0.9]))
+def test_reference_matches_float64(seed, n, h, top_k, hole_frac):
+    q, kv, rows = make_inputs(seed, n, h, top_k, 50, width=128, hole_frac=hole_frac,
+                              invalid_rows=(0,) if n > 1 else ())
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, v_width=64,
+                                 backend="reference")
+    assert out.shape == (n, h, 64) and out.dtype == q.dtype
+    assert lse.shape == (n, h) and lse.dtype == jnp.float32
+    assert_close(out, lse, q, kv, rows, v_width=64)
+
+
+def test_reference_float32_is_tight():
+    q, kv, rows = make_inputs(1, 3, 8, 64, 200, dtype=jnp.float32, invalid_rows=(1,))
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="reference")
+    assert_close(out, lse, q, kv, rows, tol=1e-5)
+
+
+def test_default_backend_on_cpu_is_reference():
+    if jax.default_backend() == "gpu":
+        pytest.skip("CPU dispatch")
+    q, kv, rows = make_inputs(2, 2, 16, 32, 100)
+    a = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE)
+    b = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="reference")
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+def test_multi_query_row_form_equals_flat_form():
+    q, kv, rows = make_inputs(3, 2, 4, 24, 80, s_q=3, invalid_rows=(4,))
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="reference")
+    assert out.shape == (2, 3, 4, 512) and lse.shape == (2, 3, 4)
+    flat_out, flat_lse = sparse_mla_decode(q.reshape(6, 4, 576), kv, rows.reshape(6, 24),
+                                           sm_scale=SM_SCALE, backend="reference")
+    np.testing.assert_array_equal(np.asarray(out).reshape(6, 4, 512), np.asarray(flat_out))
+    np.testing.assert_array_equal(np.asarray(lse).reshape(6, 4), np.asarray(flat_lse))
+    assert_close(out, lse, q, kv, rows)
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda q, kv, r, kw: (q.astype(jnp.int32), kv, r, kw), TypeError, "q must be"),
+    (lambda q, kv, r, kw: (q, kv.astype(jnp.float16), r, kw), TypeError, "kv_cache dtype"),
+    (lambda q, kv, r, kw: (q, kv[..., :512], r, kw), ValueError,
+     "kv_cache row width 512 != q width 576"),
+    (lambda q, kv, r, kw: (q[0], kv, r, kw), ValueError, "q must be"),
+    (lambda q, kv, r, kw: (q, kv[0, 0], r, kw), ValueError, "kv_cache must be"),
+    (lambda q, kv, r, kw: (q, kv, r.astype(jnp.int16), kw), TypeError,
+     "attention_rows must be int32"),
+    (lambda q, kv, r, kw: (q, kv, r[:1], kw), ValueError, "attention_rows must be int32"),
+    (lambda q, kv, r, kw: (q, kv, r[:, :0], kw), ValueError, "attention_rows"),
+    (lambda q, kv, r, kw: (q, kv, r, {**kw, "v_width": 600}), ValueError, "v_width"),
+    (lambda q, kv, r, kw: (q, kv, r, {**kw, "sm_scale": -1.0}), ValueError, "sm_scale"),
+    (lambda q, kv, r, kw: (q, kv, r, {**kw, "sm_scale": jnp.float32(0.1)}), TypeError,
+     "sm_scale"),
+    (lambda q, kv, r, kw: (q, kv, r, {**kw, "backend": "triton"}), ValueError, "backend"),
+    (lambda q, kv, r, kw: (q.astype(jnp.float32), kv.astype(jnp.float32), r,
+                           {**kw, "backend": "mosaic_gpu"}), ValueError, "bfloat16 or float16"),
+])
+def test_bad_arguments_name_the_argument(mutate, exc, match):
+    q, kv, rows = make_inputs(4, 2, 4, 8, 32)
+    q, kv, rows, kw = mutate(q, kv, rows, {"sm_scale": SM_SCALE})
+    with pytest.raises(exc, match=match):
+        sparse_mla_decode(q, kv, rows, **kw)
+
+
+# ------------------------------------------------------- kernel in interpret mode (CPU)
+
+def _interpret_available() -> bool:
+    try:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_interpret = pytest.mark.skipif(
+    not _interpret_available(), reason="Mosaic GPU interpret mode needs jax >= 0.11")
+
+
+@needs_interpret
+@pytest.mark.parametrize("n, h, top_k, cfg_kw", [
+    (2, 16, 128, {}),                                                  # padded heads
+    (1, 80, 150, {"num_splits": 2, "producer_wgs": 2}),                # 2 head blocks, splits
+])
+def test_kernel_interpret_matches_float64(n, h, top_k, cfg_kw):
+    from pallas_kernels.sparse_mla_mgpu import TuningConfig
+
+    q, kv, rows = make_inputs(10 + n, n, h, top_k, 300, invalid_rows=(0,) if n > 1 else ())
+    cfg = TuningConfig(interpret=True, **cfg_kw)
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="mosaic_gpu",
+                                 config=cfg)
+    assert out.shape == (n, h, 512) and out.dtype == jnp.bfloat16
+    assert_close(out, lse, q, kv, rows)
+
+
+def test_tuning_config_rejects_bad_knobs():
+    from pallas_kernels.sparse_mla_mgpu import TuningConfig
+
+    with pytest.raises(ValueError, match="block_kv"):
+        TuningConfig(block_kv=32)
+    with pytest.raises(ValueError, match="producer_wgs"):
+        TuningConfig(producer_wgs=3)
+    with pytest.raises(ValueError, match="registers"):
+        TuningConfig(compute_registers=240, producer_registers=64)
+
+
+# ------------------------------------------------------------------ compiled kernel (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["pipelined", "simple", "two_producers", "no_split"])
+@pytest.mark.parametrize("n, h, top_k", [(1, 16, 2048), (4, 128, 2048), (3, 64, 1000),
+                                         (5, 32, 2048), (2, 128, 64)])
+def test_kernel_gpu_matches_float64(variant, n, h, top_k):
+    from pallas_kernels.sparse_mla_mgpu import VARIANTS
+
+    q, kv, rows = make_inputs(100 + n * h + top_k, n, h, top_k, 50_000,
+                              invalid_rows=(n - 1,) if n > 1 else ())
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="mosaic_gpu",
+                                 config=VARIANTS[variant])
+    assert_close(out, lse, q, kv, rows)
+    # Fresh inputs through the same compiled kernel: a stale or unwritten output shows here.
+    q2, kv2, rows2 = make_inputs(7 + n, n, h, top_k, 50_000)
+    out2, lse2 = sparse_mla_decode(q2, kv2, rows2, sm_scale=SM_SCALE, backend="mosaic_gpu",
+                                   config=VARIANTS[variant])
+    assert_close(out2, lse2, q2, kv2, rows2)
+
+
+@pytest.mark.gpu
+def test_kernel_gpu_all_holes_and_multi_query_rows():
+    q, kv, rows = make_inputs(5, 2, 128, 256, 10_000, s_q=2, hole_frac=0.6, invalid_rows=(1, 2))
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE)     # default: the kernel
+    assert out.shape == (2, 2, 128, 512)
+    assert_close(out, lse, q, kv, rows)
+    ref = sparse_mla_decode_ref(q.reshape(4, 128, 576), kv.reshape(-1, 576),
+                                rows.reshape(4, 256), sm_scale=SM_SCALE)
+    err = np.linalg.norm(np.asarray(out, np.float32).reshape(4, 128, 512)
+                         - np.asarray(ref[0], np.float32)) / np.linalg.norm(
+                             np.asarray(ref[0], np.float32))
+    assert err < 1e-2

@@ -150,3 +150,25 @@ def test_pinned_host_placement_on_this_device(pinned_host):
     assert "pinned_host" in kinds
     pool = jax.device_put(np.arange(8, dtype=np.float32).reshape(2, 4), pinned_host)
     assert pool.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference", None])
+def test_copies_on_gpu_with_bf16_rows(backend, pinned_host):
+    """The reference (compute_on host gather) and the default backend on the GPU, 576-wide."""
+    rng = np.random.default_rng(11)
+    width, host_rows, blocks, b = 576, 4096, 64, 64
+    pool_np = rng.standard_normal((host_rows, width)).astype(jnp.bfloat16)
+    pool = jax.device_put(pool_np, pinned_host)
+    cache_np = rng.standard_normal((blocks, b, width)).astype(jnp.bfloat16)
+    plan = random_plan(rng, 8, 256, host_rows, blocks * b)
+    got = hs.gather_compact(pool, jnp.asarray(cache_np), *map(jnp.asarray, plan),
+                            backend=backend)
+    np.testing.assert_array_equal(np.asarray(got), oracle_gather(pool_np, cache_np, *plan))
+    dev = rng.permutation(blocks * b)[:300].astype(np.int32)
+    dst = rng.permutation(host_rows)[:300].astype(np.int32)
+    want = pool_np.copy()
+    want[dst] = np.asarray(got).reshape(-1, width)[dev]
+    new_pool = hs.mirror_rows(got, pool, jnp.asarray(dev), jnp.asarray(dst), backend=backend)
+    assert new_pool.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(new_pool), want)

@@ -279,3 +279,15 @@ def test_reset_rows_empties_only_named_rows():
     np.testing.assert_array_equal(cleared.lru[1], np.arange(16))
     np.testing.assert_array_equal(cleared.slot_rows[0], state.slot_rows[0])
     np.testing.assert_array_equal(cleared.lru[0], state.lru[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference", None])
+def test_resolve_on_gpu_matches_oracle(backend):
+    rng = np.random.default_rng(5)
+    for k, mult in [(64, 2), (2048, 2)]:
+        case = random_case(rng, n=8, k=k, hot=k * mult, block_size=64,
+                           src_blocks=max(1, 3 * k // 128), resident_share=0.3,
+                           corrupt_lru=True)
+        resolution, state = run_public(case, backend=backend)
+        assert_matches_oracle(case, resolution, state)

@@ -9,7 +9,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/hisparse-gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env tests resolve data_plane sparse_mla)
+[ ${#steps[@]} -gt 0 ] || steps=(env tests resolve resolve_pallas data_plane sparse_mla)
 summary=()
 
 run_step() {  # name, time limit in s, command...
@@ -27,7 +27,7 @@ run_step() {  # name, time limit in s, command...
   for step in "${steps[@]}"; do
     case $step in
       env) run_step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices(), [m.kind for m in jax.devices()[0].addressable_memories()])"' ;;
-      tests) run_step tests 420 python3 -m pytest -m gpu -q -rfE --timeout=300 -p no:cacheprovider tests ;;
+      tests) run_step tests 360 python3 -m pytest -m gpu -q -rfE --timeout=200 -p no:cacheprovider tests ;;
       resolve) run_step resolve 150 python3 -m bench.bench_resolve --backend reference ;;
       resolve_pallas) run_step resolve_pallas 150 python3 -m bench.bench_resolve --backend pallas ;;
       data_plane) [ -f bench/bench_data_plane.py ] && run_step data_plane 240 python3 -m bench.bench_data_plane ;;

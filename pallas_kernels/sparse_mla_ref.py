@@ -51,3 +51,24 @@ def sparse_mla_decode_ref(
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+_LN2 = 0.6931471805599453
+
+
+def combine_splits(out: jax.Array, lse2: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Flash-decoding combine of K splits, in float32.
+
+    out [T, S, h, v] (each split normalised within itself), lse2 float32 [T, S, h] (base-2
+    log-sum-exp of that split, -inf for a split with no valid entry). Returns out [T, h, v] in
+    `dtype` and the natural-log lse [T, h]; a row with no valid entry gives 0 / -inf.
+    """
+    m = jnp.max(lse2, axis=1)                                     # [T, h]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp2(lse2 - m_safe[:, None])                          # [T, S, h]; -inf -> 0
+    total = jnp.sum(w, axis=1)
+    comb = jnp.einsum("tsh,tshv->thv", w, out.astype(jnp.float32))
+    comb = comb / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, (m_safe + jnp.log2(jnp.where(total > 0, total, 1.0))) * _LN2,
+                    -jnp.inf)
+    return comb.astype(dtype), lse.astype(jnp.float32)

@@ -123,7 +123,7 @@ def test_copy_validation_errors(pinned_host, on_device):
     pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)
     cache = jnp.zeros((2, 4, W), jnp.float32)
     plan = (jnp.zeros((1, 2), jnp.int32),) * 2 + (jnp.zeros((1,), jnp.int32),)
-    with pytest.raises(ValueError, match="host_pool must live in pinned_host.*memory_kind=.device."):
+    with pytest.raises(ValueError, match="must live in pinned_host.*memory_kind=.device."):
         hs.gather_compact(jax.device_put(np.zeros((8, W), np.float32), on_device), cache,
                           *plan)
     unpinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="unpinned_host")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -74,8 +76,10 @@ def test_reference_matches_oracle_over_steps(seed, steps):
 
 def identity_setup(k, hot, b, n=1):
     """Positions 0..K-1 over host blocks 1.. (g = B + t) and hot blocks 100..."""
-    cfg = hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=b, max_num_reqs=n, row_width=8,
-                            kv_dtype="float32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not a multiple of block_size")
+        cfg = hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=b, max_num_reqs=n,
+                                row_width=8, kv_dtype="float32")
     blocks = -(-4 * k // b)
     src = jnp.tile(jnp.arange(1, blocks + 1, dtype=jnp.int32), (n, 1))
     hot_table = jnp.tile(jnp.arange(100, 100 + cfg.hot_blocks, dtype=jnp.int32), (n, 1))

@@ -1,10 +1,11 @@
 """Sparse MLA decode attention: reference and kernel against a float64 numpy reference.
 
 CPU: the jnp reference (randomised with hypothesis), argument validation, the
-multi-query-row form, and the Mosaic GPU kernel under Mosaic GPU interpret mode at small
-shapes (where this jax has it). GPU (`pytest -m gpu`): the compiled kernel, every
-TuningConfig variant of the benchmark, fresh random inputs with -1 holes anywhere and
-all-invalid rows.
+multi-query-row form, the Mosaic GPU kernel under Mosaic GPU interpret mode at small shapes
+(where this jax has it) and the Triton kernel under `interpret=True` (both jax versions).
+GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three
+shapes (each variant compiles in its own test, so one that fails to build fails only its
+own), fresh random inputs with -1 holes anywhere and all-invalid rows.
 """
 
 from __future__ import annotations
@@ -136,7 +137,11 @@ def test_multi_query_row_form_equals_flat_form():
     (lambda q, kv, r, kw: (q, kv, r, {**kw, "sm_scale": -1.0}), ValueError, "sm_scale"),
     (lambda q, kv, r, kw: (q, kv, r, {**kw, "sm_scale": jnp.float32(0.1)}), TypeError,
      "sm_scale"),
-    (lambda q, kv, r, kw: (q, kv, r, {**kw, "backend": "triton"}), ValueError, "backend"),
+    (lambda q, kv, r, kw: (q, kv, r, {**kw, "backend": "cuda"}), ValueError, "backend"),
+    (lambda q, kv, r, kw: (q.astype(jnp.float32), kv.astype(jnp.float32), r,
+                           {**kw, "backend": "triton"}), ValueError, "bfloat16 or float16"),
+    (lambda q, kv, r, kw: (q, kv, r, {**kw, "backend": "triton", "v_width": 384}), ValueError,
+     "power of two"),
     (lambda q, kv, r, kw: (q.astype(jnp.float32), kv.astype(jnp.float32), r,
                            {**kw, "backend": "mosaic_gpu"}), ValueError, "bfloat16 or float16"),
 ])
@@ -188,32 +193,78 @@ def test_tuning_config_rejects_bad_knobs():
         TuningConfig(compute_registers=240, producer_registers=64)
 
 
+# ------------------------------------------------- Triton kernel in interpret mode (CPU)
+
+@pytest.mark.parametrize("n, h, top_k, cfg_kw", [
+    (2, 16, 128, {}),                                                  # padded heads
+    (1, 80, 150, {"num_splits": 2, "block_k": 16}),                    # 2 head blocks, splits
+])
+def test_triton_kernel_interpret_matches_float64(n, h, top_k, cfg_kw):
+    from pallas_kernels.triton_kernels import AttentionTuning
+
+    q, kv, rows = make_inputs(20 + n, n, h, top_k, 300, invalid_rows=(0,) if n > 1 else ())
+    cfg = AttentionTuning(interpret=True, **cfg_kw)
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="triton", config=cfg)
+    assert out.shape == (n, h, 512) and out.dtype == jnp.bfloat16
+    assert lse.shape == (n, h) and lse.dtype == jnp.float32
+    assert_close(out, lse, q, kv, rows)
+
+
+def test_triton_config_rejects_bad_knobs():
+    from pallas_kernels.triton_kernels import AttentionTuning
+
+    with pytest.raises(ValueError, match="block_k"):
+        AttentionTuning(block_k=48)
+    with pytest.raises(ValueError, match="block_h"):
+        AttentionTuning(block_h=128)
+    with pytest.raises(ValueError, match="num_warps"):
+        AttentionTuning(num_warps=2)
+
+
 # ------------------------------------------------------------------ compiled kernel (GPU)
+
+def _gpu_candidates() -> list[str]:
+    """Names `backend:variant` of every candidate the benchmark compares."""
+    from pallas_kernels.triton_kernels import ATTENTION_VARIANTS as TRITON
+
+    names = [f"triton:{v}" for v in TRITON]
+    try:
+        from pallas_kernels.sparse_mla_mgpu import VARIANTS as MOSAIC
+    except ImportError:                                  # jax without Mosaic GPU Pallas
+        MOSAIC = {}
+    return [f"mosaic_gpu:{v}" for v in MOSAIC] + names
+
+
+def _candidate_config(name: str):
+    backend, variant = name.split(":")
+    if backend == "triton":
+        from pallas_kernels.triton_kernels import ATTENTION_VARIANTS as VARIANTS
+    else:
+        from pallas_kernels.sparse_mla_mgpu import VARIANTS
+    return backend, VARIANTS[variant]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pipelined", "simple", "two_producers", "no_split"])
-@pytest.mark.parametrize("n, h, top_k", [(1, 16, 2048), (4, 128, 2048), (3, 64, 1000),
-                                         (5, 32, 2048), (2, 128, 64)])
-def test_kernel_gpu_matches_float64(variant, n, h, top_k):
-    from pallas_kernels.sparse_mla_mgpu import VARIANTS
-
+@pytest.mark.parametrize("candidate", _gpu_candidates())
+@pytest.mark.parametrize("n, h, top_k", [(1, 16, 2048), (4, 128, 2048), (3, 64, 1000)])
+def test_kernel_gpu_matches_float64(candidate, n, h, top_k):
+    backend, cfg = _candidate_config(candidate)
     q, kv, rows = make_inputs(100 + n * h + top_k, n, h, top_k, 50_000,
                               invalid_rows=(n - 1,) if n > 1 else ())
-    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="mosaic_gpu",
-                                 config=VARIANTS[variant])
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend, config=cfg)
     assert_close(out, lse, q, kv, rows)
     # Fresh inputs through the same compiled kernel: a stale or unwritten output shows here.
     q2, kv2, rows2 = make_inputs(7 + n, n, h, top_k, 50_000)
-    out2, lse2 = sparse_mla_decode(q2, kv2, rows2, sm_scale=SM_SCALE, backend="mosaic_gpu",
-                                   config=VARIANTS[variant])
+    out2, lse2 = sparse_mla_decode(q2, kv2, rows2, sm_scale=SM_SCALE, backend=backend,
+                                   config=cfg)
     assert_close(out2, lse2, q2, kv2, rows2)
 
 
 @pytest.mark.gpu
-def test_kernel_gpu_all_holes_and_multi_query_rows():
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_kernel_gpu_all_holes_and_multi_query_rows(backend):
     q, kv, rows = make_inputs(5, 2, 128, 256, 10_000, s_q=2, hole_frac=0.6, invalid_rows=(1, 2))
-    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE)     # default: the kernel
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend)
     assert out.shape == (2, 2, 128, 512)
     assert_close(out, lse, q, kv, rows)
     ref = sparse_mla_decode_ref(q.reshape(4, 128, 576), kv.reshape(-1, 576),

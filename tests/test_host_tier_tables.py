@@ -1,0 +1,69 @@
+"""Block tables: only changed rows travel, and the device copy equals the scheduler's."""
+
+import numpy as np
+import pytest
+
+from host_tier.block_tables import BlockTables, DeviceBlockTables
+
+
+def test_only_rows_that_changed_are_in_the_update():
+    tables = BlockTables(max_num_reqs=4, max_pages=3, hot_blocks=2)
+    tables.set_row("src", 1, [5, 6])
+    tables.set_row("res", 1, [7])
+    tables.set_row("res", 2, [])  # unchanged (already zeros): not re-sent
+    update = tables.take_update()
+    assert update.src.rows.tolist() == [1] and update.src.values.tolist() == [[5, 6, 0]]
+    assert update.res.rows.tolist() == [1] and update.res.values.tolist() == [[7, 0, 0]]
+    assert len(update.hot) == 0 and len(update) == 2
+    assert len(tables.take_update()) == 0
+    tables.set_row("src", 1, [5, 6])  # same content: nothing to send
+    tables.set_row("src", 3, [1])
+    tables.clear_row(1)
+    update = tables.take_update()
+    assert update.src.rows.tolist() == [1, 3]
+    assert update.res.rows.tolist() == [1]
+    assert update.src.values.tolist() == [[0, 0, 0], [1, 0, 0]]
+
+
+def test_table_bad_input():
+    tables = BlockTables(max_num_reqs=2, max_pages=2, hot_blocks=1)
+    with pytest.raises(ValueError, match="group must be one of"):
+        tables.set_row("hbm", 0, [])
+    with pytest.raises(ValueError, match=r"state_row must be in \[0, 2\)"):
+        tables.set_row("src", 2, [])
+    with pytest.raises(ValueError, match="src table rows hold 2 blocks, got 3"):
+        tables.set_row("src", 0, [1, 2, 3])
+    with pytest.raises(ValueError, match="max_pages must be a positive int"):
+        BlockTables(2, 0, 1)
+
+
+def test_device_tables_follow_random_updates_sending_only_changed_rows():
+    rng = np.random.default_rng(0)
+    S, P, H = 9, 5, 2
+    host = BlockTables(S, P, H)
+    device = DeviceBlockTables(S, P, H)
+    sent = 0
+    for _ in range(30):
+        for _ in range(rng.integers(0, 4)):
+            group = ["src", "res", "hot"][rng.integers(3)]
+            width = P if group != "hot" else H
+            host.set_row(group, int(rng.integers(S)),
+                         rng.integers(0, 50, rng.integers(0, width + 1)).tolist())
+        update = host.take_update()
+        sent += len(update)
+        device.apply(update)
+        got = device.as_numpy()
+        for group in ("src", "res", "hot"):
+            want = np.stack([host.row(group, s) for s in range(S)])
+            np.testing.assert_array_equal(got[group], want)
+            assert got[group].dtype == np.int32
+    assert device.rows_sent == sent < 30 * 3 * S
+    assert device.src.shape == (S, P) and device.hot.shape == (S, H)
+
+
+def test_device_tables_reject_mismatched_updates():
+    host = BlockTables(2, 3, 1)
+    device = DeviceBlockTables(2, 4, 1)
+    host.set_row("src", 0, [1])
+    with pytest.raises(ValueError, match=r"src update values must have shape \(1, 4\)"):
+        device.apply(host.take_update())

@@ -1,0 +1,163 @@
+"""TransferEngine: spills and restores move the right rows on every layer; reports; hot updates."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from host_tier.host_pool import HostPool
+from host_tier.plan import (
+    HotInvalidation,
+    PageRestore,
+    PageSpill,
+    StepPlan,
+    TableRows,
+    TableUpdate,
+)
+from host_tier.testing import (
+    data_plane_mirror_fn,
+    data_plane_restore_fn,
+    mirror_rows_reference,
+    restore_rows_reference,
+)
+from host_tier.transfer import TransferEngine, apply_hot_updates, invalidate_host_blocks
+
+B, W, LAYERS = 4, 3, 2
+
+# The engine's copies: the jnp references, and the data plane's ops when `hisparse_jax` has them.
+COPY_FNS = pytest.mark.parametrize("mirror_fn,restore_fn", [
+    pytest.param(mirror_rows_reference, restore_rows_reference, id="reference"),
+    pytest.param(data_plane_mirror_fn(), data_plane_restore_fn(), id="data_plane"),
+])
+
+
+def _empty_tables():
+    empty = TableRows(np.zeros(0, np.int32), np.zeros((0, 1), np.int32))
+    return TableUpdate(empty, empty, empty)
+
+
+def _plan(spills=(), restores=(), hot_resets=(), invalidations=()):
+    return StepPlan(step=0, writes=(), tables=_empty_tables(), hot_resets=tuple(hot_resets),
+                    hot_invalidations=tuple(invalidations), restores=tuple(restores),
+                    spills=tuple(spills))
+
+
+def _caches(num_blocks=6):
+    return [jnp.asarray(np.arange(num_blocks * B * W, dtype=np.float32).reshape(num_blocks, B, W)
+                        + 1000 * layer) for layer in range(LAYERS)]
+
+
+@pytest.fixture
+def pool():
+    with HostPool(num_layers=LAYERS, block_size=B, row_width=W, dtype=np.float32,
+                  num_blocks=8) as pool:
+        yield pool
+
+
+@COPY_FNS
+def test_spills_copy_whole_pages_on_every_layer_and_report(pool, mirror_fn, restore_fn):
+    engine = TransferEngine(pool, mirror_fn=mirror_fn, restore_fn=restore_fn)
+    kv = _caches()
+    want = [np.array(k) for k in kv]
+    engine.after_forward(_plan(spills=[PageSpill(7, device_block=2, host_block=5),
+                                       PageSpill(8, device_block=4, host_block=1)]), kv)
+    report = engine.poll(wait=True)
+    assert report.enqueued == (7, 8) and report.completed == (7, 8)
+    assert not engine.poll()  # each id is reported once
+    for layer in range(LAYERS):
+        host = pool.read_rows(layer, np.arange(8 * B)).reshape(8, B, W)
+        np.testing.assert_array_equal(host[5], want[layer][2])
+        np.testing.assert_array_equal(host[1], want[layer][4])
+        untouched = [b for b in range(8) if b not in (1, 5)]
+        assert not host[untouched].any()
+        assert pool.layer(layer).sharding.memory_kind == "pinned_host"
+
+
+@COPY_FNS
+def test_spills_donate_the_pool_instead_of_copying_it(pool, mirror_fn, restore_fn):
+    engine = TransferEngine(pool, mirror_fn=mirror_fn)
+    before = pool.arrays
+    engine.after_forward(_plan(spills=[PageSpill(0, 1, 1)]), _caches())
+    assert all(a.is_deleted() for a in before)
+
+
+def test_completion_is_reported_only_once_the_pool_arrays_are_ready(pool, monkeypatch):
+    engine = TransferEngine(pool, mirror_fn=data_plane_mirror_fn())
+    engine.after_forward(_plan(spills=[PageSpill(3, 1, 2)]), _caches())
+    array_type = type(pool.layer(0))
+    real_is_ready = array_type.is_ready
+    copy_running = {"layer0": True}
+
+    def is_ready(array):  # layer 0's copy is still running
+        if array is pool.layer(0) and copy_running["layer0"]:
+            return False
+        return real_is_ready(array)
+
+    monkeypatch.setattr(array_type, "is_ready", is_ready)
+    first = engine.poll()
+    assert first.enqueued == (3,) and first.completed == ()
+    assert engine.num_in_flight == 1
+    copy_running["layer0"] = False
+    jax.block_until_ready(pool.arrays)  # the real copies, too
+    second = engine.poll()
+    assert second.completed == (3,) and second.enqueued == ()
+    assert engine.num_in_flight == 0
+
+
+@COPY_FNS
+def test_restores_copy_the_leading_rows_before_the_forward(pool, mirror_fn, restore_fn):
+    engine = TransferEngine(pool, mirror_fn=mirror_fn, restore_fn=restore_fn)
+    kv = _caches()
+    engine.after_forward(_plan(spills=[PageSpill(0, device_block=1, host_block=6)]), kv)
+    engine.poll(wait=True)
+    before = [np.array(k) for k in kv]
+    out = engine.before_forward(_plan(restores=[PageRestore(9, host_block=6, device_block=3,
+                                                            num_rows=3)]), kv)
+    assert engine.poll().enqueued == (9,)
+    for layer in range(LAYERS):
+        got = np.array(out[layer])
+        np.testing.assert_array_equal(got[3, :3], before[layer][1, :3])
+        np.testing.assert_array_equal(got[3, 3], before[layer][3, 3])  # row 3 untouched
+        np.testing.assert_array_equal(np.delete(got, 3, 0), np.delete(before[layer], 3, 0))
+
+
+def test_engine_errors_are_clear(pool):
+    engine = TransferEngine(pool, mirror_fn=data_plane_mirror_fn())
+    with pytest.raises(ValueError, match="built without restore_fn"):
+        engine.before_forward(_plan(restores=[PageRestore(0, 1, 1, 1)]), _caches())
+    with pytest.raises(ValueError, match=r"one cache per host pool layer \(2\), got 1"):
+        engine.after_forward(_plan(spills=[PageSpill(0, 1, 1)]), _caches()[:1])
+    with pytest.raises(ValueError, match="mirror_fn must be callable"):
+        TransferEngine(pool, mirror_fn=None)
+    assert engine.before_forward(_plan(), _caches())  # nothing to restore: no restore_fn needed
+
+
+def test_invalidate_host_blocks_drops_only_that_rows_entries():
+    slot_rows = jnp.array([[0, 5, 9, -1, 13],
+                           [4, 5, 8, 12, 2],
+                           [5, 6, 7, 8, 9]], jnp.int32)
+    # state row 0 drops blocks 1 and 3 (rows 4..7, 12..15); row 2 drops block 2; row 1 keeps all.
+    out = invalidate_host_blocks(slot_rows, jnp.array([0, 2, -1], jnp.int32),
+                                 jnp.array([[1, 3], [2, -1], [1, 2]], jnp.int32), block_size=4)
+    np.testing.assert_array_equal(np.array(out), [[0, -1, 9, -1, -1],
+                                                  [4, 5, 8, 12, 2],
+                                                  [5, 6, 7, -1, -1]])
+
+
+def test_apply_hot_updates_resets_then_invalidates_a_hot_state():
+    state_module = pytest.importorskip("hisparse_jax.state")
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class Hot:
+        slot_rows: jax.Array
+        lru: jax.Array
+
+    hot = Hot(slot_rows=jnp.array([[1, 9, 4], [8, 5, 11]], jnp.int32),
+              lru=jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int16))
+    plan = _plan(hot_resets=[0], invalidations=[HotInvalidation(1, (2,))])
+    out = apply_hot_updates(plan, hot, block_size=4, reset_rows_fn=state_module.reset_rows)
+    np.testing.assert_array_equal(np.array(out.slot_rows), [[-1, -1, -1], [-1, 5, -1]])
+    np.testing.assert_array_equal(np.array(out.lru), [[0, 1, 2], [1, 2, 0]])

@@ -4,11 +4,14 @@ Run from the repository root: `PYTHONPATH=. python -m bench.bench_sparse_mla`. U
 an H200. Writes `bench/results/sparse_mla-gpu.json` after every measurement (a timeout still
 leaves the figures so far); prints a table last.
 
-Phase 1 compares the candidates (`CANDIDATES`: Mosaic GPU and Triton kernel variants) at N=64
+Phase 1 compares the candidates (`CANDIDATES`: the Triton kernel's tuning variants) at N=64
 with h_q=128 and h_q=16, in this process: a candidate that fails to compile or computes wrong
-numbers is reported and the rest still run. Each is checked against the jnp reference.
-Phase 2 times the fastest correct candidate and the reference at N in {1, 16, 64, 256} x h_q
-in {16, 128} (then 32 and 64 while the time budget lasts), K = 2048.
+numbers is reported and the rest still run. Each is checked against the jnp reference. The
+fastest correct candidate is picked per phase-1 h_q (the knobs that suit 64-head blocks need
+not suit 16), and printed last as `BEST_TUNING attention_h<h_q> <variant> <repr>`.
+Phase 2 times, for each shape, the winner of the nearest phase-1 h_q and the reference at
+N in {1, 16, 64, 256} x h_q in {16, 128} (then 32 and 64 while the time budget lasts),
+K = 2048.
 
 Timing: one jitted function runs the op on `inner` different input sets (rotated, so the
 selected rows are not all L2-resident and XLA cannot merge the calls); we take the median
@@ -32,9 +35,17 @@ HS = (16, 128)
 HS_EXTRA = (32, 64)           # phase 2, only while the budget lasts
 PHASE1_SHAPES = ((64, 128), (64, 16))
 BUDGET_S = 130.0              # stop starting phase-2 shapes after this (whole run < 150 s)
-# Phase 1 candidates, "backend:variant"; variants from each kernel module's VARIANTS.
-CANDIDATES = ("mosaic_gpu:pipelined", "triton:bk32_s2", "triton:bk64_s2",
-              "triton:h32_bk32_s3")
+# Phase 1 candidates, "backend:variant": every Triton variant (ATTENTION_VARIANTS, then the
+# benchmark-only ATTENTION_SWEEP_EXTRA). The Mosaic GPU kernel measured 2.9x slower in run 2
+# (787 vs 275 us) and costs ~30 s of compiles: only with SPARSE_MLA_BENCH_MOSAIC=1.
+def _triton_candidates() -> tuple[str, ...]:
+    from pallas_kernels.triton_kernels import ATTENTION_SWEEP_EXTRA, ATTENTION_VARIANTS
+
+    return tuple(f"triton:{v}" for v in {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA})
+
+
+CANDIDATES = (("mosaic_gpu:pipelined",) if os.environ.get("SPARSE_MLA_BENCH_MOSAIC") else ()
+              ) + _triton_candidates()
 MATMUL_N, COPY_ELEMS = 8192, 1 << 29
 # CPU smoke test of this script (tiny shapes, kernel in interpret mode): SPARSE_MLA_BENCH_SMOKE=1
 SMOKE = bool(os.environ.get("SPARSE_MLA_BENCH_SMOKE"))
@@ -49,7 +60,9 @@ def _candidate(name: str):
 
     backend, variant = name.split(":")
     if backend == "triton":
-        from pallas_kernels.triton_kernels import ATTENTION_VARIANTS as VARIANTS
+        from pallas_kernels.triton_kernels import ATTENTION_SWEEP_EXTRA, ATTENTION_VARIANTS
+
+        VARIANTS = {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA}
     else:
         from pallas_kernels.sparse_mla_mgpu import VARIANTS
     cfg = VARIANTS[variant]
@@ -163,16 +176,25 @@ def run_candidate(name: str, kv, ref, kernel) -> dict:
     return result
 
 
-def _best_variant(phase1) -> str | None:
+def _best_variant(phase1, h_q: int | None = None) -> str | None:
+    """Fastest candidate correct at the phase-1 shapes with this h_q (h_q None: at every
+    phase-1 shape, by the sum of the times)."""
     best, best_t = None, float("inf")
     for res in phase1:
-        shapes = res.get("shapes", [])
+        shapes = [s for s in res.get("shapes", []) if h_q is None or s["h_q"] == h_q]
         if not shapes or not all(s.get("correct") for s in shapes):
             continue
         t = sum(s["time_us"] for s in shapes)
         if t < best_t:
             best, best_t = res["variant"], t
     return best
+
+
+def _best_for(best_by_h: dict, h: int) -> str | None:
+    """The phase-1 winner to use at h_q = h: the one of the nearest phase-1 h_q."""
+    if not best_by_h:
+        return None
+    return best_by_h[min(best_by_h, key=lambda h1: (abs(math.log2(h1) - math.log2(h)), -h1))]
 
 
 def _ceilings() -> dict:
@@ -245,10 +267,11 @@ def _summary(payload: dict, path: str, total_s: float) -> None:
                      f"{s.get('time_us', float('nan')):8.1f}us "
                      f"{s.get('tflops', float('nan')):6.1f}TF/s" if "error" not in s
                      else s["error"][:150].replace("\n", " ")))
-    print(f"{'N':>4} {'h_q':>4} {'kernel_us':>10} {'TFLOP/s':>8} {'ref_us':>10} {'x_ref':>6} "
-          f"{'flop_fl_us':>10} {'byte_fl_us':>10} {'gap':>5}")
+    print(f"{'N':>4} {'h_q':>4} {'variant':>14} {'kernel_us':>10} {'TFLOP/s':>8} "
+          f"{'ref_us':>10} {'x_ref':>6} {'flop_fl_us':>10} {'byte_fl_us':>10} {'gap':>5}")
     for e in payload["results"]:
-        print(f"{e['n']:>4} {e['h_q']:>4} {e.get('time_us', float('nan')):>10.1f} "
+        print(f"{e['n']:>4} {e['h_q']:>4} {str(e.get('variant', '-'))[-14:]:>14} "
+              f"{e.get('time_us', float('nan')):>10.1f} "
               f"{e.get('tflops', float('nan')):>8.1f} {e.get('ref_time_us', float('nan')):>10.1f} "
               f"{e.get('speedup_vs_ref', float('nan')):>6.1f} {e['flop_floor_us']:>10.1f} "
               f"{e['byte_floor_us']:>10.1f} {e.get('gap_to_floor', float('nan')):>5.1f}")
@@ -282,7 +305,12 @@ def main() -> None:
         path = _write(payload)
     best = _best_variant(payload["phase1_variants"])
     payload["best_variant"] = best
-    print(f"[phase1] best: {best} ({time.time() - t_start:.0f}s)", flush=True)
+    best_by_h = {h: _best_variant(payload["phase1_variants"], h)
+                 for h in sorted({h for _, h in PHASE1_SHAPES})}
+    best_by_h = {h: v for h, v in best_by_h.items() if v is not None}
+    payload["best_variant_by_h_q"] = {str(h): v for h, v in best_by_h.items()}
+    print(f"[phase1] best: {best}, by h_q: {best_by_h} ({time.time() - t_start:.0f}s)",
+          flush=True)
 
     shapes = [(n, h) for n in NS for h in HS] + [(n, h) for n in NS for h in HS_EXTRA]
     for n, h in shapes:
@@ -291,12 +319,17 @@ def main() -> None:
                                        "flop_floor_us": float("nan"),
                                        "byte_floor_us": float("nan")})
             continue
-        payload["results"].append(_phase2_entry(n, h, best, kv, ref, kernel, ceilings))
+        payload["results"].append(_phase2_entry(n, h, _best_for(best_by_h, h), kv, ref,
+                                                kernel, ceilings))
         path = _write(payload)
     payload["complete"] = True
     payload["total_s"] = time.time() - t_start
     path = _write(payload)
     _summary(payload, path, payload["total_s"])
+    for h, v in best_by_h.items():
+        print(f"BEST_TUNING attention_h{h} {v} {_candidate(v)[1]!r}")
+    if best is not None:
+        print(f"BEST_TUNING attention {best} {_candidate(best)[1]!r}")
 
 
 def _mosaic_interpret() -> bool:

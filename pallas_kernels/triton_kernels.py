@@ -65,6 +65,10 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
 def row_pieces(width: int, max_piece: int) -> tuple[tuple[int, int], ...]:
     """(start, size) column pieces of a row, each size a power of two <= max_piece.
 
@@ -284,18 +288,48 @@ def _invalidate_kernel(state_ref, written_ref, _slots_in, slots_ref, *, chunk, h
                     jnp.full((chunk,), -1, jnp.int32), mask=stale)
 
 
+@dataclasses.dataclass(frozen=True)
+class InvalidateTuning:
+    """Knobs of the invalidate kernel: slots per program (a power of two; one program per
+    (token, chunk)) and warps per program."""
+
+    chunk: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if not _is_pow2(self.chunk):
+            raise ValueError(f"InvalidateTuning.chunk must be a power of two, got {self.chunk}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"InvalidateTuning.num_warps must be 1..16 (a power of two), "
+                             f"got {self.num_warps}")
+
+
+DEFAULT_INVALIDATE = InvalidateTuning()
+
+# Candidates `bench/bench_data_plane.py` times on the GPU (first = the default). One program
+# per (token, chunk) is tiny work: the question is launch/occupancy, so the sweep varies the
+# program count (T * H / chunk) and the warps per program.
+INVALIDATE_VARIANTS: dict[str, InvalidateTuning] = {
+    "c1024_w4": InvalidateTuning(),
+    "c4096_w8": InvalidateTuning(chunk=4096, num_warps=8),      # one program per token
+    "c2048_w4": InvalidateTuning(chunk=2048, num_warps=4),
+    "c512_w4": InvalidateTuning(chunk=512, num_warps=4),
+}
+
+
 def invalidate_rows(slot_rows, state_rows_per_token, written_rows, *, interpret: bool = False,
-                    chunk: int = 1024):
+                    chunk: int | None = None, tuning: InvalidateTuning | None = None):
     """invalidate_written_rows: slot_rows[s, j] := -1 where it equals a token's written row.
 
     slot_rows: int32[S, H] (aliased onto the output); state_rows_per_token, written_rows:
-    int32[T]. One program per (token, chunk of H slots).
+    int32[T]. One program per (token, chunk of H slots); `chunk` overrides `tuning.chunk`.
     """
+    tuning = tuning or DEFAULT_INVALIDATE
     num_state_rows, hot = slot_rows.shape
     tokens = written_rows.shape[0]
     if tokens == 0 or slot_rows.size == 0:
         return slot_rows
-    chunk = min(chunk, _pow2_ceil(hot))
+    chunk = min(chunk or tuning.chunk, _pow2_ceil(hot))
     kernel = functools.partial(_invalidate_kernel, chunk=chunk, hot=hot,
                                num_state_rows=num_state_rows)
 
@@ -308,7 +342,7 @@ def invalidate_rows(slot_rows, state_rows_per_token, written_rows, *, interpret:
             out_specs=_ANY,
             input_output_aliases={2: 0},
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
             name="hisparse_invalidate_written_rows",
         )(state_rows, written, slots),)
 
@@ -322,14 +356,44 @@ def invalidate_rows(slot_rows, state_rows_per_token, written_rows, *, interpret:
 @dataclasses.dataclass(frozen=True)
 class ResolveTuning:
     """Knobs of the resolve kernel: warps per batch row, LRU positions per chunk (a power of
-    two), hash table size as a multiple of the padded K (a power of two >= 2)."""
+    two), hash table size as a multiple of the padded K (a power of two >= 2), and
+    cached_loads: read the row's scratch (hash table, marks) with ordinary loads that may
+    hit L1, instead of volatile ones that go to L2 (every such read follows a barrier after
+    the writes it must see, which orders them for the CTA under the PTX memory model)."""
 
     num_warps: int = 8
     chunk: int = 1024
     table_factor: int = 2
+    cached_loads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"ResolveTuning.num_warps must be a power of two <= 32, "
+                             f"got {self.num_warps}")
+        if not _is_pow2(self.chunk):
+            raise ValueError(f"ResolveTuning.chunk must be a power of two, got {self.chunk}")
+        if not _is_pow2(self.table_factor) or self.table_factor < 2:
+            raise ValueError(f"ResolveTuning.table_factor must be a power of two >= 2, "
+                             f"got {self.table_factor}")
 
 
 DEFAULT_RESOLVE = ResolveTuning()
+
+# Candidates `bench/bench_data_plane.py` times on the GPU (first = the default). The kernel is
+# latency-bound: its time is a chain of dependent global round trips, dominated by the probe
+# rounds (hash build, then one lookup per LRU chunk, each as long as the longest probe in the
+# chunk). A sparser table (table_factor 8: load <= 1/8) shortens the longest linear-probe
+# chain from ~20 to a few; chunk = H walks the LRU in one pass (walk and reorder fused);
+# 16 warps keep the 4096-wide chunk at 8 values per thread (no spills); cached_loads lets
+# the random probes of the row's 64 KiB table hit L1 (~40 cycles) instead of L2 (~260).
+RESOLVE_VARIANTS: dict[str, ResolveTuning] = {
+    "w8_c1024_t2": ResolveTuning(),
+    "w8_c4096_t8": ResolveTuning(num_warps=8, chunk=4096, table_factor=8),
+    "w16_c4096_t8": ResolveTuning(num_warps=16, chunk=4096, table_factor=8),
+    "w16_c4096_t8_l1": ResolveTuning(num_warps=16, chunk=4096, table_factor=8,
+                                     cached_loads=True),
+    "w16_c4096_t4": ResolveTuning(num_warps=16, chunk=4096, table_factor=4),
+}
 _GOLDEN = 0x9E3779B1                   # Knuth's multiplicative hash constant
 
 
@@ -362,10 +426,10 @@ def _any(mask: jax.Array) -> jax.Array:
 
 def _resolve_kernel(topk_ref, state_ref, host_rows_ref, hot_ref, src_ref, res_ref,
                     lru_old_ref, *refs, k, kp, hot, hp, chunk, log2_table, block_size,
-                    num_state_rows, num_aliased, interpret):
+                    num_state_rows, num_aliased, interpret, volatile):
     refs = refs[num_aliased:]          # skip the aliased inputs: use the outputs
     (out_ref, valid_ref, ssrc_ref, sdst_ref, scount_ref, hits_ref, slots_ref, lru_ref,
-     hkey_ref, hval_ref, hitpos_ref, colslot_ref, evict_ref) = refs
+     hkey_ref, hval_ref, hitpos_ref, evict_ref) = refs
     table = 1 << log2_table
     n = pl.program_id(0)
     s = state_ref[n]
@@ -412,16 +476,19 @@ def _resolve_kernel(topk_ref, state_ref, host_rows_ref, hot_ref, src_ref, res_re
             _resolve_pending(
                 n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, out_ref, ssrc_ref,
                 sdst_ref, scount_ref, hits_ref, slots_ref, lru_ref, hkey_ref, hval_ref,
-                hitpos_ref, colslot_ref, evict_ref, k=k, kp=kp, hot=hot, hp=hp, chunk=chunk,
+                hitpos_ref, evict_ref, k=k, kp=kp, hot=hot, hp=hp, chunk=chunk,
                 log2_table=log2_table, table=table, block_size=block_size,
-                interpret=interpret)
+                interpret=interpret, volatile=volatile)
 
 
 def _resolve_pending(n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, out_ref,
                      ssrc_ref, sdst_ref, scount_ref, hits_ref, slots_ref, lru_ref, hkey_ref,
-                     hval_ref, hitpos_ref, colslot_ref, evict_ref, *, k, kp, hot, hp, chunk,
-                     log2_table, table, block_size, interpret):
-    """Steps 3-5 of SEMANTICS.md for one live row with pending columns."""
+                     hval_ref, hitpos_ref, evict_ref, *, k, kp, hot, hp, chunk,
+                     log2_table, table, block_size, interpret, volatile):
+    """Steps 3-5 of SEMANTICS.md for one live row with pending columns.
+
+    Every read of this row's scratch follows a barrier after the writes it must see;
+    `volatile` (ResolveTuning.cached_loads False) also makes those loads bypass L1."""
     kk = jnp.arange(kp, dtype=jnp.int32)
     kin = kk < k
     i32 = jnp.int32
@@ -432,12 +499,13 @@ def _resolve_pending(n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, 
                          mask=mask, other=0)
         return blk * block_size + jnp.where(mask, slot % block_size, 0)
 
-    # (a) Open-addressing table pending g -> column, in this row's scratch, built in rounds
+    # (a) Open-addressing table of the pending g, in this row's scratch, built in rounds
     # without atomics: every unplaced key reads its probe position; keys that saw it empty
-    # store themselves there; after a barrier the one that reads itself back owns it.
+    # store themselves there; after a barrier the one that reads itself back owns it. Each
+    # column keeps its key's position (`pos_col`); the value table (hval) at that position
+    # holds the column (>= 0) until the walk marks a hit there with -2 - slot.
     tt = jnp.arange(table, dtype=jnp.int32)
     plgpu.store(hkey_ref.at[n, tt], jnp.full((table,), -1, i32))
-    plgpu.store(colslot_ref.at[n, kk], jnp.full((kp,), -1, i32))
     _barrier(interpret)
     home = _hash(jnp.maximum(g, 0), log2_table)
 
@@ -446,23 +514,25 @@ def _resolve_pending(n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, 
         todo = unplaced > 0
         pos = (home + probe) & (table - 1)
         at = jnp.where(todo, pos, table)
-        seen = plgpu.load(hkey_ref.at[n, at], mask=todo, other=-2, volatile=True)
+        seen = plgpu.load(hkey_ref.at[n, at], mask=todo, other=-2, volatile=volatile)
         _barrier(interpret)
         claim = todo & (seen == -1)
         plgpu.store(hkey_ref.at[n, jnp.where(claim, pos, table)], g, mask=claim)
         _barrier(interpret)
-        back = plgpu.load(hkey_ref.at[n, at], mask=todo, other=-2, volatile=True)
+        back = plgpu.load(hkey_ref.at[n, at], mask=todo, other=-2, volatile=volatile)
         won = todo & (back == g)
+        # No barrier after this store: the next round reads only hkey, and the barrier
+        # after the loop orders hval before the walk reads it.
         plgpu.store(hval_ref.at[n, jnp.where(won, pos, table)], kk, mask=won)
-        _barrier(interpret)
         still = todo & ~won
         return still.astype(i32), probe + still.astype(i32)
 
-    jax.lax.while_loop(lambda c: _any(c[0] > 0), insert_round,
-                       (pending.astype(i32), jnp.zeros((kp,), i32)))
+    _, final_probe = jax.lax.while_loop(lambda c: _any(c[0] > 0), insert_round,
+                                        (pending.astype(i32), jnp.zeros((kp,), i32)))
+    pos_col = (home + final_probe) & (table - 1)      # a placed key's probe stops growing
     _barrier(interpret)
 
-    # (b) Walk the LRU oldest -> newest in chunks: hit slots record their column.
+    # (b) Walk the LRU oldest -> newest in chunks: a hit slot marks its key's entry.
     cc = jnp.arange(chunk, dtype=jnp.int32)
     num_chunks = hp // chunk
 
@@ -481,38 +551,34 @@ def _resolve_pending(n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, 
         start = _hash(jnp.maximum(cached, 0), log2_table)
 
         def probe_step(carry):
-            searching, probe, col = carry
+            searching, probe, where_found = carry
             todo = searching > 0
             q = (start + probe) & (table - 1)
             key = plgpu.load(hkey_ref.at[n, jnp.where(todo, q, table)], mask=todo, other=-1,
-                             volatile=True)
+                             volatile=volatile)
             found = todo & (key == cached)
-            val = plgpu.load(hval_ref.at[n, jnp.where(found, q, table)], mask=found, other=-1,
-                             volatile=True)
-            col = jnp.where(found, val, col)
+            where_found = jnp.where(found, q, where_found)
             still = todo & ~found & (key != -1)
-            return still.astype(i32), probe + 1, col
+            return still.astype(i32), probe + 1, where_found
 
+        # col: the table position of the key this slot holds (>= 0 iff a hit).
         _, _, col = jax.lax.while_loop(
             lambda c_: _any(c_[0] > 0), probe_step,
             ((cached >= 0).astype(i32), jnp.zeros((chunk,), i32), jnp.full((chunk,), -1, i32)))
         hit = col >= 0
-        plgpu.store(hitpos_ref.at[n, jnp.where(pin, p, hp)], col, mask=pin)
-        plgpu.store(colslot_ref.at[n, jnp.where(hit, col, kp)], slot, mask=hit)
-        return num_hits + jnp.sum(hit.astype(i32))
-
-    num_hits = jax.lax.fori_loop(0, num_chunks, find_hits, jnp.int32(0))
-    _barrier(interpret)
-    num_evict = hot - num_hits
-    num_miss = num_pending - num_hits
+        if num_chunks > 1:             # one chunk: `reorder` gets col in registers
+            plgpu.store(hitpos_ref.at[n, jnp.where(pin, p, hp)], col, mask=pin)
+        # Only the walk's probes read hkey; hval is read after the barrier of (c).
+        plgpu.store(hval_ref.at[n, jnp.where(hit, col, table)], -2 - slot, mask=hit)
+        return (p, pin, slot, col), num_hits + jnp.sum(hit.astype(i32))
 
     # (c) New LRU = unused evictables ++ filled (miss order) ++ hits; list the evictables
     # the misses take, oldest first.
-    def reorder(c, carry):
+    def reorder(carry, walked, num_hits):
         hits_before, evict_before = carry
-        p, pin, slot = load_walk(c)
-        col = plgpu.load(hitpos_ref.at[n, jnp.where(pin, p, hp)], mask=pin, other=-1,
-                         volatile=True)
+        p, pin, slot, col = walked
+        num_evict = hot - num_hits
+        num_miss = num_pending - num_hits
         hit = pin & (col >= 0)
         evict = pin & (col < 0)
         hit_rank = hits_before + jnp.cumsum(hit.astype(i32)) - 1
@@ -527,20 +593,39 @@ def _resolve_pending(n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, 
         return (hits_before + jnp.sum(hit.astype(i32)),
                 evict_before + jnp.sum(evict.astype(i32)))
 
-    jax.lax.fori_loop(0, num_chunks, reorder, (jnp.int32(0), jnp.int32(0)))
+    if num_chunks == 1:
+        # The whole LRU in one chunk: walk and reorder share registers (no hitpos round
+        # trip, no barrier between them; the barrier below orders hval and evict).
+        walked, num_hits = find_hits(0, jnp.int32(0))
+        reorder((jnp.int32(0), jnp.int32(0)), walked, num_hits)
+    else:
+        num_hits = jax.lax.fori_loop(0, num_chunks, lambda c, h: find_hits(c, h)[1],
+                                     jnp.int32(0))
+        _barrier(interpret)
+
+        def reorder_chunk(c, carry):
+            p, pin, slot = load_walk(c)
+            col = plgpu.load(hitpos_ref.at[n, jnp.where(pin, p, hp)], mask=pin, other=-1,
+                             volatile=volatile)
+            return reorder(carry, (p, pin, slot, col), num_hits)
+
+        jax.lax.fori_loop(0, num_chunks, reorder_chunk, (jnp.int32(0), jnp.int32(0)))
     _barrier(interpret)
+    num_miss = num_pending - num_hits
 
     # (d) Columns: hits read their slot, misses take evictables in ascending column order.
-    hit_slot = plgpu.load(colslot_ref.at[n, jnp.where(kin, kk, kp)], mask=kin, other=-1,
-                          volatile=True)
-    is_hit = kin & (hit_slot >= 0)
+    mark = plgpu.load(hval_ref.at[n, jnp.where(pending, pos_col, table)], mask=pending,
+                      other=0, volatile=volatile)
+    is_hit = pending & (mark <= -2)
+    hit_slot = jnp.where(is_hit, -2 - mark, -1)
+    hit_dev = device_row(hit_slot, is_hit)            # issued before the evictables' load
     miss = pending & ~is_hit
     miss_rank = jnp.cumsum(miss.astype(i32)) - 1
     miss_slot = plgpu.load(evict_ref.at[n, jnp.where(miss, miss_rank, kp)], mask=miss,
-                           other=-1, volatile=True)
+                           other=-1, volatile=volatile)
     miss_ok = miss & (miss_slot >= 0) & (miss_slot < hot)
     miss_dev = jnp.where(miss_ok, device_row(miss_slot, miss_ok), -1)
-    out = jnp.where(is_hit, device_row(hit_slot, is_hit), jnp.where(miss, miss_dev, out0))
+    out = jnp.where(is_hit, hit_dev, jnp.where(miss, miss_dev, out0))
     plgpu.store(out_ref.at[n, jnp.where(kin, kk, k)], out, mask=kin)
     at_rank = jnp.where(miss, miss_rank, k)
     plgpu.store(ssrc_ref.at[n, at_rank], g, mask=miss)
@@ -563,8 +648,8 @@ def resolve_rows(slot_rows, lru, topk, state_rows, hot_block_table, source_block
     slot_rows int32[S, H] and a copy of lru int16[S, H] are updated in place (aliased); the
     other outputs are fresh, or, with `poison` set (tests), start filled with that value so
     an entry the kernel fails to write shows. Per-row global scratch (discarded): the hash
-    table [N, 2 * Kp], LRU-position hit columns [N, Hp], column hit slots and the evictables
-    the misses take [N, Kp] (Kp, Hp: K, H rounded up to powers of two).
+    table (keys and values) [N, table_factor * Kp] twice, LRU-position hit marks [N, Hp] and
+    the evictables the misses take [N, Kp] (Kp, Hp: K, H rounded up to powers of two).
     """
     num_state_rows, hot = slot_rows.shape
     n, k = topk.shape
@@ -589,8 +674,7 @@ def resolve_rows(slot_rows, lru, topk, state_rows, hot_block_table, source_block
         jax.ShapeDtypeStruct(lru.shape, lru.dtype),         # lru (in place, on a copy)
         jax.ShapeDtypeStruct((n, table), i32),              # scratch: hash keys
         jax.ShapeDtypeStruct((n, table), i32),              # scratch: hash columns
-        jax.ShapeDtypeStruct((n, hp), i32),                 # scratch: hit column per position
-        jax.ShapeDtypeStruct((n, kp), i32),                 # scratch: hit slot per column
+        jax.ShapeDtypeStruct((n, hp), i32),                 # scratch: hit mark per position
         jax.ShapeDtypeStruct((n, kp), i32),                 # scratch: evictables taken
     ]
     has_res = resident_block_table is not None
@@ -610,7 +694,7 @@ def resolve_rows(slot_rows, lru, topk, state_rows, hot_block_table, source_block
     kernel_body = functools.partial(
         _resolve_kernel, k=k, kp=kp, hot=hot, hp=hp, chunk=chunk, log2_table=log2_table,
         block_size=block_size, num_state_rows=num_state_rows,
-        num_aliased=len(aliased), interpret=interpret)
+        num_aliased=len(aliased), interpret=interpret, volatile=not tuning.cached_loads)
 
     def kernel(*refs):
         if has_res:
@@ -656,10 +740,6 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionTuning:
     """Knobs of the Triton sparse MLA kernel; the only bag of tuning parameters.
@@ -668,9 +748,11 @@ class AttentionTuning:
       h_q, at least 16). 64 heads x 512 fp32 accumulator = 128 registers/thread at 8 warps.
     block_k: selected rows gathered per step (power of two, 16..128); 64 measured best on
       the H200 (bench/results/sparse_mla-gpu.json).
-    num_warps: warps per program; None = 8 for block_h 64, else 4.
+    num_warps: warps per program (4, 8 or 16); None = 8 for block_h 64, else 4.
     num_stages: Triton software-pipelining depth of the K loop.
     num_splits: K splits per (row, head block); None = about two waves of programs.
+    prefetch_ids: load each step's row ids one step ahead (loop carry), so the K-tile
+      gather does not wait on an id load in the same step (False: run 2's kernel).
     interpret: run with `interpret=True` (CPU testing).
     """
 
@@ -679,6 +761,7 @@ class AttentionTuning:
     num_warps: int | None = None
     num_stages: int = 2
     num_splits: int | None = None
+    prefetch_ids: bool = True
     interpret: bool = False
 
     def __post_init__(self) -> None:
@@ -689,8 +772,8 @@ class AttentionTuning:
         if not _is_pow2(self.block_k) or not 16 <= self.block_k <= 128:
             raise ValueError(f"AttentionTuning.block_k must be a power of two in [16, 128], "
                              f"got {self.block_k}")
-        if self.num_warps is not None and self.num_warps not in (4, 8):
-            raise ValueError(f"AttentionTuning.num_warps must be None, 4 or 8, "
+        if self.num_warps is not None and self.num_warps not in (4, 8, 16):
+            raise ValueError(f"AttentionTuning.num_warps must be None, 4, 8 or 16, "
                              f"got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"AttentionTuning.num_stages must be >= 1, got {self.num_stages}")
@@ -699,11 +782,30 @@ class AttentionTuning:
                              f"got {self.num_splits}")
 
 
-# The variants the GPU tests and the benchmark compare; the first is the default.
+# The variants the GPU tests and the benchmark compare; the first is the default
+# (AttentionTuning()). Run 2 (H200): bk64_s2 275 us at N=64/h_q=128, 107 us at h_q=16;
+# bk32_s2 349/123 us; h32_bk32_s3 330/130 us.
+#  * prefetch_ids (on in all of these): in run 2 the K-tile gather depended on the row-id
+#    load of the same step (one level of indirection); Triton's pipeliner splits its stages
+#    across indirection levels, so with 2 stages the gather was likely not issued ahead at
+#    all. With the ids carried from the previous step the gather's addresses are loop-carried
+#    values: 2 stages can pipeline it. Deeper pipelines (num_stages 3, 4) keep more tiles in
+#    flight; bk32 x 3 stages fits in shared memory at 64 heads (Q 72 KiB + 2 buffers of
+#    36 KiB).
+#  * 16 warps at 64 heads: the 64 x 512 fp32 accumulator drops from 128 to 64 registers per
+#    thread (wgmma N split over 4 warpgroups), against spills at 8 warps.
 ATTENTION_VARIANTS: dict[str, AttentionTuning] = {
-    "bk32_s2": AttentionTuning(block_k=32, num_stages=2),
-    "bk64_s2": AttentionTuning(block_k=64, num_stages=2),              # fewer, larger steps
-    "h32_bk32_s3": AttentionTuning(block_h=32, block_k=32, num_warps=4, num_stages=3),  # regs
+    "bk64_s2": AttentionTuning(block_k=64, num_stages=2),
+    "bk32_s3": AttentionTuning(block_k=32, num_stages=3),
+    "bk64_s2_w16": AttentionTuning(block_k=64, num_stages=2, num_warps=16),
+}
+# Benchmark-only candidates that may not build at every shape: bk64 x 3 stages (2 x 72 KiB
+# of K tiles + Q 72 KiB at 64 heads) may exceed the 227 KiB of shared memory; at 16 heads
+# it fits. The benchmark records a build failure and goes on; the GPU tests skip these.
+# bk64_s2_noprefetch is run 2's default kernel, the baseline of the id prefetch.
+ATTENTION_SWEEP_EXTRA: dict[str, AttentionTuning] = {
+    "bk64_s3": AttentionTuning(block_k=64, num_stages=3),
+    "bk64_s2_noprefetch": AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False),
 }
 
 
@@ -739,7 +841,7 @@ def attention_supports(q_dtype, width: int, v_width: int, kv_elems: int = 0) -> 
 
 
 def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, block_k, steps, pieces,
-            scale2):
+            scale2, prefetch_ids):
     """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, D],
     rows_ref [T, Kp] (Kp = splits * steps * block_k, -1 padded); writes out_ref
     [T, S, Hp, v] (normalised within the split) and lse_ref [T, S, Hp] (base 2)."""
@@ -750,10 +852,20 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
     v_width = pieces[0][1]
     dims = (((1,), (1,)), ((), ()))          # contract the column dims: q k^T
 
-    def step(i, carry):
-        acc, m_i, l_i = carry
+    def load_ids(i):
         k0 = (s * steps + i) * block_k
-        ids = plgpu.load(rows_ref.at[t, k0 + jnp.arange(block_k, dtype=jnp.int32)])
+        return plgpu.load(rows_ref.at[t, k0 + jnp.arange(block_k, dtype=jnp.int32)])
+
+    def step(i, carry):
+        if prefetch_ids:
+            # The ids of step i came with step i - 1 (loop carry): the K-tile gather's
+            # addresses are ready at the top of the step, and the load of the next step's ids
+            # is issued before it (the last step reloads its own ids, harmlessly).
+            acc, m_i, l_i, ids = carry
+            ids_next = load_ids(jnp.minimum(i + 1, steps - 1))
+        else:
+            acc, m_i, l_i = carry
+            ids = load_ids(i)
         valid = ids >= 0
         safe = jnp.where(valid, ids, 0)[:, None]
         scores = None
@@ -773,12 +885,16 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
         acc = acc * alpha[:, None] + lax.dot_general(
             p.astype(k_value.dtype), k_value, (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32)
+        if prefetch_ids:
+            return acc, m_new, l_i, ids_next
         return acc, m_new, l_i
 
     carry = (jnp.zeros((block_h, v_width), jnp.float32),
              jnp.full((block_h,), _M_INIT, jnp.float32),
              jnp.zeros((block_h,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(0, steps, step, carry)
+    if prefetch_ids:
+        carry = (*carry, load_ids(0))
+    acc, m_i, l_i = lax.fori_loop(0, steps, step, carry)[:3]
     out = acc / jnp.maximum(l_i, 1e-30)[:, None]          # all-masked: acc = 0 -> out = 0
     vcols = jnp.arange(v_width, dtype=jnp.int32)[None, :]
     plgpu.store(out_ref.at[t, s, heads, vcols], out.astype(out_ref.dtype))
@@ -833,7 +949,8 @@ def sparse_mla_decode_triton(
         rows = jnp.pad(rows, ((0, 0), (0, k_pad - top_k)), constant_values=-1)
     q_pad = q if h_pad == h_q else jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
     kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
-                               pieces=pieces, scale2=float(sm_scale) * _LOG2E)
+                               pieces=pieces, scale2=float(sm_scale) * _LOG2E,
+                               prefetch_ids=cfg.prefetch_ids)
 
     def call(q_pad, kv_rows, rows):
         return tuple(pl.pallas_call(

@@ -154,8 +154,16 @@ def test_invalidate_matches_reference(seed):
     state = hj.HotState(jnp.asarray(slot_rows), jnp.zeros((num_state, hot), jnp.int16))
     got = hj.invalidate_written_rows(state, jnp.asarray(state_rows), jnp.asarray(written),
                                      backend="pallas")
-    np.testing.assert_array_equal(np.asarray(got.slot_rows),
-                                  oracle_invalidate(slot_rows, state_rows, written))
+    want = oracle_invalidate(slot_rows, state_rows, written)
+    np.testing.assert_array_equal(np.asarray(got.slot_rows), want)
+    # 16-slot chunks: 3 programs per token, the last one partial.
+    got = _invalidate_chunked(jnp.asarray(slot_rows), jnp.asarray(state_rows),
+                              jnp.asarray(written))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+_invalidate_chunked = jax.jit(functools.partial(
+    tk.invalidate_rows, interpret=INTERPRET, tuning=tk.InvalidateTuning(chunk=16, num_warps=2)))
 
 
 # --------------------------------------------------------------------------- resolve
@@ -173,9 +181,11 @@ _ref = jax.jit(resolve_residency_ref, static_argnames=("block_size",))
 # once; a share of None runs without a resident table.
 RESOLVE_SHAPES = {
     "resident": (4, 8, 12, 4, 4, 0.4, tk.ResolveTuning()),
-    "no_resident_odd_k": (3, 7, 9, 2, 5, None, tk.ResolveTuning()),
+    # A sparse (8 * Kp) table, the whole LRU in one chunk (walk and reorder fused).
+    "no_resident_odd_k": (3, 7, 9, 2, 5, None, tk.ResolveTuning(table_factor=8)),
     # 4-slot chunks: the walk carries ranks across 4 chunks; a 2*Kp table collides often.
-    "chunked_walk": (2, 6, 16, 4, 3, 0.3, tk.ResolveTuning(chunk=4, table_factor=2)),
+    "chunked_walk": (2, 6, 16, 4, 3, 0.3, tk.ResolveTuning(chunk=4, table_factor=2,
+                                                           cached_loads=True)),
 }
 
 
@@ -335,6 +345,58 @@ def test_resolve_lowers_to_triton(cuda_lowering, n, k, hot, block, resident):
 
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.parametrize("name", list(tk.RESOLVE_VARIANTS))
+def test_resolve_sweep_variants_lower_to_triton(cuda_lowering, name):
+    """Every candidate of the benchmark's resolve sweep lowers at the benchmark's size."""
+    n, k, hot, block = 64, 2048, 4096, 64
+    fn = functools.partial(tk.resolve_rows, block_size=block, host_rows=1 << 20,
+                           tuning=tk.RESOLVE_VARIANTS[name])
+    cuda_lowering(fn, _sds((n, hot)), _sds((n, hot), jnp.int16), _sds((n, k)), _sds((n,)),
+                  _sds((n, hot // block)), _sds((n, 96)), _sds((n, 96)))
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_sweep_variants_lower_to_triton(cuda_lowering):
+    """Every invalidate and attention candidate of the benchmarks lowers (N=64, K=2048)."""
+    for tuning in tk.INVALIDATE_VARIANTS.values():
+        cuda_lowering(functools.partial(tk.invalidate_rows, tuning=tuning),
+                      _sds((256, 4096)), _sds((256,)), _sds((256,)))
+    variants = {**tk.ATTENTION_VARIANTS, **tk.ATTENTION_SWEEP_EXTRA}
+    for h in (128, 16):
+        for cfg in variants.values():
+            cuda_lowering(functools.partial(tk.sparse_mla_decode_triton, sm_scale=0.1,
+                                            config=cfg),
+                          _sds((64, h, 576), jnp.bfloat16), _sds((1 << 16, 576), jnp.bfloat16),
+                          _sds((64, 2048)))
+
+
+def test_tuning_knobs_are_validated():
+    with pytest.raises(ValueError, match="chunk"):
+        tk.ResolveTuning(chunk=1000)
+    with pytest.raises(ValueError, match="table_factor"):
+        tk.ResolveTuning(table_factor=3)
+    with pytest.raises(ValueError, match="chunk"):
+        tk.InvalidateTuning(chunk=100)
+
+
+def test_dispatch_set_tuning_reaches_the_kernel():
+    seen = []
+    fn = dispatch._tunable("invalidate_written_rows", lambda *a, **kw: seen.append(kw))
+    try:
+        dispatch.set_tuning("invalidate_written_rows", tk.InvalidateTuning(chunk=64))
+        fn(None, interpret=True)
+        assert seen[-1]["tuning"] == tk.InvalidateTuning(chunk=64)
+        fn(None, interpret=True, tuning=tk.DEFAULT_INVALIDATE)      # an explicit one wins
+        assert seen[-1]["tuning"] == tk.DEFAULT_INVALIDATE
+    finally:
+        dispatch.set_tuning("invalidate_written_rows", None)
+    fn(None, interpret=True)
+    assert "tuning" not in seen[-1]
+    with pytest.raises(KeyError):
+        dispatch.set_tuning("no_such_op", None)
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("pool_shape", [(1 << 14, 576), (1 << 12, 4, 576)])
 def test_copy_kernels_lower_to_triton(cuda_lowering, pool_shape):
     pool, cache = _sds(pool_shape, jnp.bfloat16), _sds((512, 64, 576), jnp.bfloat16)
@@ -358,6 +420,15 @@ def test_gpu_resolve_realistic(n):
     case = random_case(rng, n=n, k=k, hot=hot, block_size=block, src_blocks=48,
                        resident_share=0.3, corrupt_lru=True)
     _check_resolve(case, tk.ResolveTuning())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(tk.RESOLVE_VARIANTS))
+def test_gpu_resolve_sweep_variants(name):
+    """Each tuning the benchmark may pick, compiled, at the real K and H."""
+    case = random_case(np.random.default_rng(11), n=4, k=2048, hot=4096, block_size=64,
+                       src_blocks=48, resident_share=0.3, corrupt_lru=True)
+    _check_resolve(case, tk.RESOLVE_VARIANTS[name])
 
 
 @pytest.mark.gpu
@@ -427,5 +498,9 @@ def test_gpu_invalidate_realistic():
     written = rng.integers(-1, 5000, size=tokens).astype(np.int32)
     state = hj.HotState(jnp.asarray(slot_rows), jnp.zeros((num_state, hot), jnp.int16))
     got = hj.invalidate_written_rows(state, jnp.asarray(state_rows), jnp.asarray(written))
-    np.testing.assert_array_equal(np.asarray(got.slot_rows),
-                                  oracle_invalidate(slot_rows, state_rows, written))
+    want = oracle_invalidate(slot_rows, state_rows, written)
+    np.testing.assert_array_equal(np.asarray(got.slot_rows), want)
+    for tuning in tk.INVALIDATE_VARIANTS.values():          # every candidate of the sweep
+        got = tk.invalidate_rows(jnp.asarray(slot_rows), jnp.asarray(state_rows),
+                                 jnp.asarray(written), tuning=tuning)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=repr(tuning))

@@ -198,6 +198,7 @@ def test_tuning_config_rejects_bad_knobs():
 @pytest.mark.parametrize("n, h, top_k, cfg_kw", [
     (2, 16, 128, {}),                                                  # padded heads
     (1, 80, 150, {"num_splits": 2, "block_k": 16}),                    # 2 head blocks, splits
+    (2, 16, 100, {"block_k": 16, "prefetch_ids": False, "num_stages": 3}),  # run-2 id loads
 ])
 def test_triton_kernel_interpret_matches_float64(n, h, top_k, cfg_kw):
     from pallas_kernels.triton_kernels import AttentionTuning
@@ -219,6 +220,7 @@ def test_triton_config_rejects_bad_knobs():
         AttentionTuning(block_h=128)
     with pytest.raises(ValueError, match="num_warps"):
         AttentionTuning(num_warps=2)
+    AttentionTuning(num_warps=16)                       # 16 warps at 64 heads is a candidate
 
 
 # ------------------------------------------------------------------ compiled kernel (GPU)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call on the GPU machine (one H200, jax 0.11.2).
-#   bash bench/gpu_suite.sh [step ...]     steps: env tests resolve data_plane sparse_mla
+#   bash bench/gpu_suite.sh [step ...]
+# steps: env tests decode data_plane sparse_mla (default), resolve resolve_pallas engine_gpu
 # Each step has its own time limit and a failing step does not stop the others. The log goes
 # to $OUT/suite.log and bench/results/ (also packed as $OUT/results.tar.gz) when OUT is set.
 set -u
@@ -9,7 +10,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/hisparse-gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env tests resolve resolve_pallas data_plane sparse_mla)
+[ ${#steps[@]} -gt 0 ] || steps=(env tests decode data_plane sparse_mla)
 summary=()
 
 run_step() {  # name, time limit in s, command...
@@ -21,17 +22,22 @@ run_step() {  # name, time limit in s, command...
   local rc=$?
   summary+=("$name: exit $rc in $((SECONDS - t0)) s")
   echo "=== [$name] exit $rc after $((SECONDS - t0)) s"
+  tar czf "$OUT/results.tar.gz" bench/results      # after every step: a cut run keeps results
 }
 
 {
   for step in "${steps[@]}"; do
     case $step in
       env) run_step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices(), [m.kind for m in jax.devices()[0].addressable_memories()])"' ;;
-      tests) run_step tests 360 python3 -m pytest -m gpu -q -rfE --timeout=200 -p no:cacheprovider tests ;;
+      # The GPU-scale engine test (2-4 min) is left to `decode`, which checks the same
+      # exactness (--check: tokens against all-resident) on the same config.
+      tests) run_step tests 230 python3 -m pytest -m gpu -q -rfE --timeout=200 -p no:cacheprovider -k "not gpu_scale" tests ;;
+      decode) run_step decode 120 python3 examples/decode.py --config dsv32-2l --requests 6 --seats 8 --prompt-len 3500 --gen-len 16 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
+      engine_gpu) run_step engine_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       resolve) run_step resolve 150 python3 -m bench.bench_resolve --backend reference ;;
       resolve_pallas) run_step resolve_pallas 150 python3 -m bench.bench_resolve --backend pallas ;;
-      data_plane) [ -f bench/bench_data_plane.py ] && run_step data_plane 240 python3 -m bench.bench_data_plane ;;
-      sparse_mla) run_step sparse_mla 240 python3 -m bench.bench_sparse_mla ;;
+      data_plane) run_step data_plane 130 python3 -m bench.bench_data_plane ;;
+      sparse_mla) run_step sparse_mla 140 python3 -m bench.bench_sparse_mla ;;
       *) echo "unknown step $step" ;;
     esac
   done

@@ -1,7 +1,9 @@
 """hisparse-jax: a host-tiered sparse-attention KV cache (HiSparse) for JAX and Pallas."""
 
+from hisparse_jax import nn
 from hisparse_jax.attention import sparse_mla_decode
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.ops import (
     Resolution,
     gather_compact,
@@ -12,6 +14,8 @@ from hisparse_jax.ops import (
 from hisparse_jax.state import HotState, init_hot_state, reset_rows
 
 __all__ = [
+    "Engine",
+    "EngineConfig",
     "HiSparseConfig",
     "HotState",
     "Resolution",
@@ -19,6 +23,7 @@ __all__ = [
     "init_hot_state",
     "invalidate_written_rows",
     "mirror_rows",
+    "nn",
     "reset_rows",
     "resolve_residency",
     "sparse_mla_decode",

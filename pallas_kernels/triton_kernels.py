@@ -361,9 +361,11 @@ class ResolveTuning:
     hit L1, instead of volatile ones that go to L2 (every such read follows a barrier after
     the writes it must see, which orders them for the CTA under the PTX memory model)."""
 
-    num_warps: int = 8
-    chunk: int = 1024
-    table_factor: int = 2
+    # Defaults: the best exact candidate of the H200 sweep (run 3, bench_data_plane-gpu.json)
+    # without cached_loads, which won by only 6-9% and is kept off as the safer choice.
+    num_warps: int = 16
+    chunk: int = 4096
+    table_factor: int = 8
     cached_loads: bool = False
 
     def __post_init__(self) -> None:
@@ -379,7 +381,7 @@ class ResolveTuning:
 
 DEFAULT_RESOLVE = ResolveTuning()
 
-# Candidates `bench/bench_data_plane.py` times on the GPU (first = the default). The kernel is
+# Candidates `bench/bench_data_plane.py` times on the GPU. The kernel is
 # latency-bound: its time is a chain of dependent global round trips, dominated by the probe
 # rounds (hash build, then one lookup per LRU chunk, each as long as the longest probe in the
 # chunk). A sparser table (table_factor 8: load <= 1/8) shortens the longest linear-probe
@@ -387,7 +389,7 @@ DEFAULT_RESOLVE = ResolveTuning()
 # 16 warps keep the 4096-wide chunk at 8 values per thread (no spills); cached_loads lets
 # the random probes of the row's 64 KiB table hit L1 (~40 cycles) instead of L2 (~260).
 RESOLVE_VARIANTS: dict[str, ResolveTuning] = {
-    "w8_c1024_t2": ResolveTuning(),
+    "w8_c1024_t2": ResolveTuning(num_warps=8, chunk=1024, table_factor=2),
     "w8_c4096_t8": ResolveTuning(num_warps=8, chunk=4096, table_factor=8),
     "w16_c4096_t8": ResolveTuning(num_warps=16, chunk=4096, table_factor=8),
     "w16_c4096_t8_l1": ResolveTuning(num_warps=16, chunk=4096, table_factor=8,
@@ -746,8 +748,9 @@ class AttentionTuning:
 
     block_h: heads per program (power of two, 16..64); None = min(64, next power of two of
       h_q, at least 16). 64 heads x 512 fp32 accumulator = 128 registers/thread at 8 warps.
-    block_k: selected rows gathered per step (power of two, 16..128); 64 measured best on
-      the H200 (bench/results/sparse_mla-gpu.json).
+    block_k: selected rows gathered per step (power of two, 16..128). Default 32 rows x 3
+      stages: the best candidate at both h_q=16 and h_q=128 in the H200 sweep (run 3,
+      bench/results/sparse_mla-gpu.json), by a few percent over 64 x 2.
     num_warps: warps per program (4, 8 or 16); None = 8 for block_h 64, else 4.
     num_stages: Triton software-pipelining depth of the K loop.
     num_splits: K splits per (row, head block); None = about two waves of programs.
@@ -757,9 +760,9 @@ class AttentionTuning:
     """
 
     block_h: int | None = None
-    block_k: int = 64
+    block_k: int = 32
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int = 3
     num_splits: int | None = None
     prefetch_ids: bool = True
     interpret: bool = False
@@ -782,9 +785,10 @@ class AttentionTuning:
                              f"got {self.num_splits}")
 
 
-# The variants the GPU tests and the benchmark compare; the first is the default
-# (AttentionTuning()). Run 2 (H200): bk64_s2 275 us at N=64/h_q=128, 107 us at h_q=16;
-# bk32_s2 349/123 us; h32_bk32_s3 330/130 us.
+# The variants the GPU tests and the benchmark compare. Run 2 (H200): bk64_s2 275 us at
+# N=64/h_q=128, 107 us at h_q=16; bk32_s2 349/123 us; h32_bk32_s3 330/130 us. Run 3, with the
+# id prefetch: bk32_s3 283/91 us, bk64_s2 287/93 us, bk64_s2_w16 658/122 us; bk32_s3 is the
+# default (AttentionTuning()).
 #  * prefetch_ids (on in all of these): in run 2 the K-tile gather depended on the row-id
 #    load of the same step (one level of indirection); Triton's pipeliner splits its stages
 #    across indirection levels, so with 2 stages the gather was likely not issued ahead at

@@ -1,0 +1,477 @@
+"""Flax NNX modules for DeepSeek-V3.2-style sparse MLA served through HiSparse.
+
+* `LightningIndexer`: index queries from the query low-rank path, index keys from the hidden
+  state (their own cache, kept on the device), per-head ReLU scores weighted per head, exact
+  top-k per query row (-1 where the context is shorter than `top_k`).
+* `SparseMLA`: absorbed MLA (one latent KV row of `kv_lora_rank + rope_dim` per token, e.g.
+  512 + 64 = 576, shared by `num_heads` query heads), attention through `sparse_mla_decode`
+  over one flat device row per selected token.
+* `Transformer`: embedding, `num_layers` blocks of (indexer +) sparse MLA + SwiGLU MLP,
+  RMSNorm, RoPE. Layers are grouped into index groups of `index_group_size` layers: the
+  group's first layer owns the indexer (and the group's hot state); the others reuse its
+  top-k (DeepSeek-V3.2 itself: groups of one layer).
+
+Caches are data: `DecodeCache` (per-layer device KV caches `[num_blocks, B, W]`, per-group
+index-key caches `[S, max_model_len, index_dim]`, per-group `HotState`) is passed into
+`Transformer.decode` / `Transformer.prefill` and returned, never kept in module variables,
+so a step jits with the caches donated (`nnx.split` / `nnx.merge` at the jit boundary, see
+`hisparse_jax.engine`).
+
+The HiSparse decode path of one layer: write the new token's row into its resident tail
+page, drop stale hot copies of its host row (`invalidate_written_rows`), resolve the
+group's top-k once (`resolve_residency`), copy the misses of every layer of the group from
+the pinned host pool (`gather_compact_group`), attend (`sparse_mla_decode`). The write-back
+of rows to the host pool is done page by page by the host tier's spills
+(`host_tier.TransferEngine`), once a page is sealed. With `use_host_tier=False` the top-k
+positions are mapped straight through the resident block table (the engine's fast path when
+every context page is resident, and the all-resident baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hisparse_jax import ops
+from hisparse_jax.attention import sparse_mla_decode
+from hisparse_jax.index_group import gather_compact_group
+from hisparse_jax.state import HotState
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static sizes of the decoder (hashable: usable as a static jit argument).
+
+    Row width W of the latent KV cache = kv_lora_rank + rope_dim; the attention score scale
+    is 1 / sqrt(qk_nope_dim + rope_dim) as in DeepSeek-V3.2.
+    """
+
+    name: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    rope_dim: int
+    v_head_dim: int
+    mlp_hidden: int
+    index_heads: int
+    index_dim: int
+    top_k: int
+    index_group_size: int = 1
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    param_dtype: Any = "float32"
+    dtype: Any = "float32"
+    kv_dtype: Any = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.num_layers % self.index_group_size:
+            raise ValueError(f"num_layers={self.num_layers} must be a multiple of "
+                             f"index_group_size={self.index_group_size}")
+        if self.rope_dim % 2 or self.index_dim < self.rope_dim:
+            raise ValueError("rope_dim must be even and <= index_dim")
+
+    @property
+    def row_width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_layers // self.index_group_size
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.qk_nope_dim + self.rope_dim)
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    # Runs on a CPU in seconds.
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=512, hidden=128, num_layers=2, num_heads=4, q_lora_rank=64,
+        kv_lora_rank=64, qk_nope_dim=32, rope_dim=32, v_head_dim=32, mlp_hidden=256,
+        index_heads=4, index_dim=32, top_k=16),
+    # The real DeepSeek-V3.2 attention dimensions (7168 hidden, 128 heads, q_lora 1536,
+    # kv_lora 512 + rope 64 = 576-wide rows, indexer 64 heads x 128, top_k 2048), a dense
+    # SwiGLU MLP and 2 layers: a GPU-scale check of the attention path, not the full model.
+    "dsv32-2l": ModelConfig(
+        name="dsv32-2l", vocab_size=129280, hidden=7168, num_layers=2, num_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, rope_dim=64, v_head_dim=128,
+        mlp_hidden=18432, index_heads=64, index_dim=128, top_k=2048,
+        param_dtype="bfloat16", dtype="bfloat16"),
+}
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """A named config (`CONFIGS`), with fields replaced by `overrides`."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+    return dataclasses.replace(CONFIGS[name], **overrides)
+
+
+# --------------------------------------------------------------------------- cache pytrees
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeCache:
+    """Device-side cache state of the model (a pytree; donate it at the jit boundary).
+
+    Attributes:
+      kv: per layer, the latent KV cache [num_blocks, B, W] (kv_dtype): resident pages and hot
+        regions of every request, one flat row index per token.
+      index_keys: per index group, the indexer key cache [S, max_model_len, index_dim]
+        (kv_dtype), indexed by state row and position.
+      hot: per index group, the `HotState` of the hot regions (unused when all-resident).
+    """
+
+    kv: tuple[jax.Array, ...]
+    index_keys: tuple[jax.Array, ...]
+    hot: tuple[HotState, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step's inputs for N batch rows (seats); state_rows[n] = -1 is padding.
+
+    tokens, positions, state_rows: int32[N]. Tables (int32, indexed by STATE row, gathered by
+    `state_rows` inside the step): src [S, P] host blocks, res [S, P] resident device blocks,
+    hot [S, Hb] hot-region device blocks (0 = null).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    state_rows: jax.Array
+    src: jax.Array
+    res: jax.Array
+    hot: jax.Array
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def _dt(x: Any) -> jnp.dtype:
+    return jnp.dtype(x)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half) over the last dim of x [..., T, (heads,) d]; positions
+    int32 broadcastable to x's token dim. Computed in float32, returned in x's dtype."""
+    d = x.shape[-1]
+    freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = positions.astype(jnp.float32)[..., None] * freqs            # [T, d/2]
+    while angles.ndim < x.ndim:
+        angles = angles[..., None, :]  # broadcast over head dims
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype: Any):
+        self.scale = nnx.Param(jnp.ones((dim,), _dt(param_dtype)))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=_dt(cfg.dtype),
+                      param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+
+
+class LightningIndexer(nnx.Module):
+    """DeepSeek-V3.2 lightning indexer: picks the top_k context positions of each query row.
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) for s <= pos[t]; the top_k positions by
+    score (ties: lower position first), -1 where fewer than top_k positions exist.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wq = _linear(cfg, cfg.q_lora_rank, cfg.index_heads * cfg.index_dim, rngs)
+        self.wk = _linear(cfg, cfg.hidden, cfg.index_dim, rngs)
+        self.k_norm = nnx.LayerNorm(cfg.index_dim, dtype=_dt(cfg.dtype),
+                                    param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+        self.w_heads = _linear(cfg, cfg.hidden, cfg.index_heads, rngs)
+
+    def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Index keys [T, index_dim] (kv_dtype) of hidden states x [T, hidden]."""
+        c = self.cfg
+        k = self.k_norm(self.wk(x))
+        k = jnp.concatenate([rope(k[..., : c.rope_dim], positions, c.rope_theta),
+                             k[..., c.rope_dim:]], -1)
+        return k.astype(_dt(c.kv_dtype))
+
+    def queries(self, q_lora: jax.Array, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+        """Index queries [T, index_heads, index_dim] and head weights float32[T, index_heads]."""
+        c = self.cfg
+        q = self.wq(q_lora).reshape(*q_lora.shape[:-1], c.index_heads, c.index_dim)
+        q = jnp.concatenate([rope(q[..., : c.rope_dim], positions, c.rope_theta),
+                             q[..., c.rope_dim:]], -1).astype(_dt(c.kv_dtype))
+        w = self.w_heads(x).astype(jnp.float32) * (c.index_heads ** -0.5 * c.index_dim ** -0.5)
+        return q, w
+
+    def select(self, q: jax.Array, w: jax.Array, keys: jax.Array, positions: jax.Array
+               ) -> jax.Array:
+        """Top-k positions int32[T, top_k] per query row.
+
+        q [T, Hi, d], w [T, Hi]; keys [T, L, d] (one key row per query row: decode) or [L, d]
+        (shared: prefill); positions int32[T]: keys at s > positions[t] are not candidates.
+        """
+        hi = jax.lax.Precision.HIGHEST
+        qf, kf = q.astype(jnp.float32), keys.astype(jnp.float32)
+        if keys.ndim == 3:
+            logits = jnp.einsum("thd,tsd->ths", qf, kf, precision=hi)
+        else:
+            logits = jnp.einsum("thd,sd->ths", qf, kf, precision=hi)
+        scores = jnp.einsum("ths,th->ts", jax.nn.relu(logits), w, precision=hi)
+        length = scores.shape[-1]
+        causal = jnp.arange(length)[None, :] <= positions[:, None]
+        scores = jnp.where(causal, scores, -jnp.inf)
+        k = self.cfg.top_k
+        if length < k:
+            scores = jnp.pad(scores, ((0, 0), (0, k - length)), constant_values=-jnp.inf)
+        top_scores, top_idx = jax.lax.top_k(scores, k)
+        return jnp.where(jnp.isfinite(top_scores), top_idx, -1).astype(jnp.int32)
+
+
+class SparseMLA(nnx.Module):
+    """Absorbed multi-head latent attention reading W = kv_lora + rope wide latent rows."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h = cfg.num_heads
+        self.wq_a = _linear(cfg, cfg.hidden, cfg.q_lora_rank, rngs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.wq_b = _linear(cfg, cfg.q_lora_rank, h * (cfg.qk_nope_dim + cfg.rope_dim), rngs)
+        self.wkv_a = _linear(cfg, cfg.hidden, cfg.kv_lora_rank + cfg.rope_dim, rngs)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        init = nnx.initializers.normal(stddev=1.0)
+        pd = _dt(cfg.param_dtype)
+        # Absorbed up-projections: W_uk folds into the query, W_uv into the output.
+        self.w_uk = nnx.Param(init(rngs.params(), (h, cfg.qk_nope_dim, cfg.kv_lora_rank), pd)
+                              * (cfg.kv_lora_rank ** -0.5))
+        self.w_uv = nnx.Param(init(rngs.params(), (h, cfg.kv_lora_rank, cfg.v_head_dim), pd)
+                              * (cfg.kv_lora_rank ** -0.5))
+        self.wo = _linear(cfg, h * cfg.v_head_dim, cfg.hidden, rngs)
+
+    def project(self, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, hidden] -> (q_lora [T, q_lora_rank], absorbed q [T, h, W], row [T, W]);
+        q and row in kv_dtype (the attention kernel reads both in that dtype)."""
+        c = self.cfg
+        kv_dt = _dt(c.kv_dtype)
+        q_lora = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lora).reshape(x.shape[0], c.num_heads, c.qk_nope_dim + c.rope_dim)
+        q_nope, q_rope = q[..., : c.qk_nope_dim], q[..., c.qk_nope_dim:]
+        q_rope = rope(q_rope, positions, c.rope_theta)
+        q_latent = jnp.einsum("thd,hdc->thc", q_nope.astype(jnp.float32),
+                              self.w_uk[...].astype(jnp.float32))
+        q_full = jnp.concatenate([q_latent, q_rope.astype(jnp.float32)], -1).astype(kv_dt)
+        kv = self.wkv_a(x)
+        latent = self.kv_norm(kv[..., : c.kv_lora_rank])
+        k_rope = rope(kv[..., c.kv_lora_rank:], positions, c.rope_theta)
+        row = jnp.concatenate([latent, k_rope], -1).astype(kv_dt)
+        return q_lora, q_full, row
+
+    def attend(self, q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Array, *,
+               backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+        """Sparse attention over `attention_rows` (int32[T, K], -1 masked) of kv_rows
+        ([num_blocks, B, W] or [R, W]). Returns (output [T, hidden], latent out [T, h, kv_lora])."""
+        c = self.cfg
+        latent, _ = sparse_mla_decode(q, kv_rows, attention_rows, sm_scale=c.sm_scale,
+                                      v_width=c.kv_lora_rank, backend=backend)
+        o = jnp.einsum("thc,hcv->thv", latent.astype(jnp.float32),
+                       self.w_uv[...].astype(jnp.float32)).astype(_dt(c.dtype))
+        return self.wo(o.reshape(o.shape[0], -1)), latent
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = _linear(cfg, cfg.hidden, cfg.mlp_hidden, rngs)
+        self.up = _linear(cfg, cfg.hidden, cfg.mlp_hidden, rngs)
+        self.down = _linear(cfg, cfg.mlp_hidden, cfg.hidden, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, has_indexer: bool, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.attn = SparseMLA(cfg, rngs=rngs)
+        self.indexer = LightningIndexer(cfg, rngs=rngs) if has_indexer else None
+        self.mlp_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+
+def _flat_rows(block_table: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+    """Flat device/host row of each position through a block table: table [N, P] and
+    positions int32[N, ...]; -1 where the position is negative, past the table or null."""
+    pages = positions // block_size
+    ok = (positions >= 0) & (pages < block_table.shape[1])
+    idx = jnp.clip(pages, 0, block_table.shape[1] - 1).reshape(positions.shape[0], -1)
+    blocks = jnp.take_along_axis(block_table, idx, axis=1).reshape(positions.shape)
+    return jnp.where(ok & (blocks > 0), blocks * block_size + positions % block_size, -1)
+
+
+def _write_rows(cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """cache[row] := values for rows >= 0 (flat rows of [num_blocks, B, W])."""
+    flat = cache.reshape(-1, cache.shape[-1])
+    idx = jnp.where(rows >= 0, rows, flat.shape[0])
+    return flat.at[idx].set(values.astype(cache.dtype), mode="drop").reshape(cache.shape)
+
+
+class Transformer(nnx.Module):
+    """Decoder with sparse MLA layers; `decode` and `prefill` take and return the caches."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=_dt(cfg.dtype),
+                               param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+        self.blocks = nnx.List([
+            Block(cfg, has_indexer=(i % cfg.index_group_size == 0), rngs=rngs)
+            for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.lm_head = _linear(cfg, cfg.hidden, cfg.vocab_size, rngs)
+
+    def _finish(self, x: jax.Array, block: Block, attn_out: jax.Array) -> jax.Array:
+        x = x + attn_out
+        return x + block.mlp(block.mlp_norm(x))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        return self.lm_head(self.final_norm(x)).astype(jnp.float32)
+
+    def decode(self, cache: DecodeCache, batch: DecodeBatch, host_pools: tuple[jax.Array, ...],
+               *, block_size: int, use_host_tier: bool, host_rows: int = 0,
+               attention_backend: str | None = None, ops_backend: str | None = None,
+               collect_attention: bool = False) -> tuple[jax.Array, DecodeCache, dict]:
+        """One decode token per batch row. Returns (logits float32[N, V], new cache, aux).
+
+        aux: "hits" / "misses" int32[num_groups] (hot-region lookups summed over rows; zeros
+        without the host tier) and, with `collect_attention`, "attention" [L, N, h, kv_lora]
+        (each layer's latent attention output).
+        """
+        c = self.cfg
+        live = batch.state_rows >= 0
+        srow = jnp.where(live, batch.state_rows, 0)
+        src, res, hot_tbl = batch.src[srow], batch.res[srow], batch.hot[srow]
+        pos = batch.positions
+        write_rows = jnp.where(live, _flat_rows(res, pos, block_size), -1)
+        num_rows = c.top_k
+        kv, index_keys, hot = list(cache.kv), list(cache.index_keys), list(cache.hot)
+        hits, misses, attn = [], [], []
+        x = self.embed(batch.tokens)
+        attention_rows = jnp.full((x.shape[0], num_rows), -1, jnp.int32)
+        for layer, block in enumerate(self.blocks):
+            g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
+            h = block.attn_norm(x)
+            q_lora, q, row = block.attn.project(h, pos)
+            kv[layer] = _write_rows(kv[layer], write_rows, row)
+            if leader:
+                idx = block.indexer
+                keys = index_keys[g]
+                keys = keys.at[jnp.where(live, batch.state_rows, keys.shape[0]), pos].set(
+                    idx.keys(h, pos), mode="drop")
+                index_keys[g] = keys
+                iq, iw = idx.queries(q_lora, h, pos)
+                topk = idx.select(iq, iw, keys[srow], pos)
+                topk = jnp.where(live[:, None], topk, -1)
+                if use_host_tier:
+                    group = slice(layer, layer + c.index_group_size)
+                    written_host = jnp.where(live, _flat_rows(src, pos, block_size), -1)
+                    hot[g] = ops.invalidate_written_rows(hot[g], batch.state_rows, written_host,
+                                                         backend=ops_backend)
+                    resolution, hot[g] = ops.resolve_residency(
+                        hot[g], topk, state_rows=batch.state_rows, hot_block_table=hot_tbl,
+                        source_block_table=src, resident_block_table=res,
+                        block_size=block_size, host_rows=host_rows, backend=ops_backend)
+                    kv[group] = gather_compact_group(
+                        host_pools[group], kv[group], resolution.swap_src, resolution.swap_dst,
+                        resolution.swap_counts, backend=ops_backend)
+                    attention_rows = resolution.attention_rows
+                    hits.append(jnp.sum(resolution.num_hits))
+                    misses.append(jnp.sum(resolution.swap_counts))
+                else:
+                    attention_rows = _flat_rows(res, topk, block_size)
+                    hits.append(jnp.int32(0))
+                    misses.append(jnp.int32(0))
+            out, latent = block.attn.attend(q, kv[layer], attention_rows,
+                                            backend=attention_backend)
+            if collect_attention:
+                attn.append(latent)
+            x = self._finish(x, block, out)
+        aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses)}
+        if collect_attention:
+            aux["attention"] = jnp.stack(attn)
+        return self.logits(x), DecodeCache(tuple(kv), tuple(index_keys), tuple(hot)), aux
+
+    def prefill(self, cache: DecodeCache, tokens: jax.Array, length: jax.Array,
+                state_row: jax.Array, write_rows: jax.Array, *,
+                attention_backend: str | None = None, collect_attention: bool = False
+                ) -> tuple[jax.Array, DecodeCache, dict]:
+        """Prefill one request: tokens int32[T] (padded; the first `length` are real), written
+        to flat device rows write_rows int32[T] (-1: not written) and to the index-key cache
+        row `state_row`. Every query row attends to its own top-k (sparse, the decode rule),
+        over the rows just computed. Returns (logits float32[V] of the last real token, new
+        cache, aux with "attention" [L, h, kv_lora] of the last token when collected).
+        """
+        c = self.cfg
+        T = tokens.shape[0]
+        pos = jnp.arange(T, dtype=jnp.int32)
+        kv, index_keys = list(cache.kv), list(cache.index_keys)
+        x = self.embed(tokens)
+        attn = []
+        topk = None
+        for layer, block in enumerate(self.blocks):
+            g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
+            h = block.attn_norm(x)
+            q_lora, q, row = block.attn.project(h, pos)
+            kv[layer] = _write_rows(kv[layer], write_rows, row)
+            if leader:
+                idx = block.indexer
+                keys = idx.keys(h, pos)
+                index_keys[g] = index_keys[g].at[state_row, pos].set(
+                    jnp.where((pos < length)[:, None], keys, 0), mode="drop")
+                iq, iw = idx.queries(q_lora, h, pos)
+                topk = idx.select(iq, iw, keys, pos)
+            out, latent = block.attn.attend(q, row, topk, backend=attention_backend)
+            if collect_attention:
+                attn.append(latent[length - 1])
+            x = self._finish(x, block, out)
+        last = jax.lax.dynamic_index_in_dim(x, length - 1, keepdims=False)
+        aux = {"attention": jnp.stack(attn)} if collect_attention else {}
+        return self.logits(last[None])[0], DecodeCache(tuple(kv), tuple(index_keys),
+                                                       cache.hot), aux
+
+
+def init_model(cfg: ModelConfig | str, *, seed: int = 0) -> Transformer:
+    """A randomly initialised `Transformer` (config object or `CONFIGS` name)."""
+    if isinstance(cfg, str):
+        cfg = get_config(cfg)
+    # "rbg" keys: the initialiser compiles ~2x faster than with threefry on a CPU.
+    return _initializer(cfg)(jax.random.key(seed, impl="rbg"))
+
+
+@functools.cache
+def _initializer(cfg: ModelConfig):
+    """One compiled initialiser per config (the seed is traced): one compile instead of one
+    per parameter shape, and none for a second model of the same config."""
+    return nnx.jit(lambda key: Transformer(cfg, rngs=nnx.Rngs(key)))

@@ -20,8 +20,9 @@ before it is timed; one that fails to build or differs is recorded and skipped):
   * invalidate: `triton_kernels.INVALIDATE_VARIANTS` at T=256, H=4096, S=256;
   * resolve: `triton_kernels.RESOLVE_VARIANTS` at N=64 and N=256 (K=2048, H=4096).
 The best of each (by device time; resolve by the sum of time / target over the two N) is
-installed with `pallas_kernels.dispatch.set_tuning`, so the figures above are measured with
-it; the run prints `BEST_TUNING <op> <repr>` lines last for the defaults.
+reported, and the run prints `BEST_TUNING <op> <repr>` lines last; the figures above are
+measured with the kernels' defaults (`DEFAULT_RESOLVE`, ...), which are set from the last
+sweep, so that they describe what the public ops run.
 
 Device time per step: `chain` dependent steps inside one jit minus one step, / (chain - 1),
 measured two ways: a `fori_loop` chain (as in runs 1-2; an XLA while loop may add a per-
@@ -45,7 +46,6 @@ import numpy as np
 import hisparse_jax as hj
 from bench._common import time_fn, write_result
 from hisparse_jax.index_group import gather_compact_group
-from pallas_kernels import dispatch
 from pallas_kernels import triton_kernels as tk
 from pallas_kernels.invalidate_ref import invalidate_written_rows_ref
 from pallas_kernels.resolve_ref import resolve_residency_ref
@@ -527,8 +527,6 @@ def main() -> None:
     TABLE.append("tuning sweeps (device us per step):")
     _record("sweep_invalidate", lambda: sweep_invalidate(rng))
     _record("sweep_resolve", lambda: sweep_resolve(rng))
-    for op, tuning in BEST.items():            # the figures below run with the best tunings
-        dispatch.set_tuning(op, tuning)
     jax.clear_caches()
     host_blocks = 64 if SMALL else 1 << 13                      # 604 MB of pinned rows
     holder = [jax.device_put(_rand_bf16(rng, (host_blocks, BLOCK, WIDTH)), HOST)]

@@ -379,23 +379,6 @@ def test_tuning_knobs_are_validated():
         tk.InvalidateTuning(chunk=100)
 
 
-def test_dispatch_set_tuning_reaches_the_kernel():
-    seen = []
-    fn = dispatch._tunable("invalidate_written_rows", lambda *a, **kw: seen.append(kw))
-    try:
-        dispatch.set_tuning("invalidate_written_rows", tk.InvalidateTuning(chunk=64))
-        fn(None, interpret=True)
-        assert seen[-1]["tuning"] == tk.InvalidateTuning(chunk=64)
-        fn(None, interpret=True, tuning=tk.DEFAULT_INVALIDATE)      # an explicit one wins
-        assert seen[-1]["tuning"] == tk.DEFAULT_INVALIDATE
-    finally:
-        dispatch.set_tuning("invalidate_written_rows", None)
-    fn(None, interpret=True)
-    assert "tuning" not in seen[-1]
-    with pytest.raises(KeyError):
-        dispatch.set_tuning("no_such_op", None)
-
-
 @pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("pool_shape", [(1 << 14, 576), (1 << 12, 4, 576)])
 def test_copy_kernels_lower_to_triton(cuda_lowering, pool_shape):

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hisparse_jax import ops
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.nn import DecodeBatch, DecodeCache, Transformer
 from hisparse_jax.state import init_hot_state
@@ -191,7 +192,6 @@ class Engine:
             self.host_rows = 0
         else:
             from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
-            from host_tier.testing import data_plane_mirror_fn, data_plane_restore_fn
 
             num_host_blocks = ec.num_host_blocks or 1 + (S + 1) * self.max_pages
             self.coord = Coordinator(
@@ -201,8 +201,8 @@ class Engine:
             self.host_pool = HostPool(num_layers=mc.num_layers, block_size=B,
                                       row_width=mc.row_width, dtype=kv_dt,
                                       num_blocks=num_host_blocks, device=device)
-            self.transfer = TransferEngine(self.host_pool, mirror_fn=data_plane_mirror_fn(),
-                                           restore_fn=data_plane_restore_fn())
+            self.transfer = TransferEngine(self.host_pool, mirror_fn=ops.mirror_rows,
+                                           restore_fn=ops.restore_rows)
             self.tables = DeviceBlockTables(S, self.max_pages, self.hs_config.hot_blocks,
                                             device=device)
             self.host_rows = num_host_blocks * B

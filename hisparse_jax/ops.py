@@ -327,6 +327,25 @@ def mirror_rows(
                    backend=_pick("mirror_rows", backend))
 
 
+def restore_rows(
+    host_pool: jax.Array,
+    kv_cache: jax.Array,
+    host_rows: jax.Array,
+    device_rows: jax.Array,
+    *,
+    backend: str | None = None,
+) -> jax.Array:
+    """Copies host rows back into device rows (page restores of the host tier).
+
+    host_rows, device_rows: int32[R], the live entries packed at the front and padded with -1
+    (the layout `host_tier.TransferEngine` builds); device row device_rows[i] := host row
+    host_rows[i]. One batch row of `gather_compact`: `kv_cache` is donated, returned updated.
+    """
+    count = jnp.sum(host_rows >= 0, dtype=jnp.int32).reshape(1)
+    return gather_compact(host_pool, kv_cache, host_rows[None], device_rows[None], count,
+                          backend=backend)
+
+
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _invalidate(state, state_rows_per_token, written_rows, *, backend):
     slot_rows = _impl("invalidate_written_rows", backend)(

@@ -80,34 +80,15 @@ def restore_rows_reference(host_pool: jax.Array, kv_cache: jax.Array, host_rows:
     return _restore_jit(kv_cache.sharding)(host_pool, kv_cache, host_rows, device_rows)
 
 
-def _data_plane_op(name: str):
-    try:
-        module = importlib.import_module("hisparse_jax")
-    except ImportError:
-        return None
-    return getattr(module, name, None)
-
-
 def data_plane_mirror_fn() -> MirrorFn:
-    """`hisparse_jax.mirror_rows` when the data plane provides it, else the reference."""
-    return _data_plane_op("mirror_rows") or mirror_rows_reference
+    """`hisparse_jax.mirror_rows` (imported lazily: host_tier does not import the data plane)."""
+    return importlib.import_module("hisparse_jax.ops").mirror_rows
 
 
 def data_plane_restore_fn() -> RestoreFn:
-    """`hisparse_jax.gather_compact` as a restore (one batch row of swaps), else the reference.
-
-    Row lists from the engine are packed at the front and padded with -1, so the swap count is
-    the number of non-negative entries.
-    """
-    gather_compact = _data_plane_op("gather_compact")
-    if gather_compact is None:
-        return restore_rows_reference
-
-    def restore(host_pool, kv_cache, host_rows, device_rows):
-        count = jnp.sum(host_rows >= 0, dtype=jnp.int32).reshape(1)
-        return gather_compact(host_pool, kv_cache, host_rows[None], device_rows[None], count)
-
-    return restore
+    """`hisparse_jax.ops.restore_rows`: one batch row of `gather_compact`, entries packed at the
+    front and padded with -1."""
+    return importlib.import_module("hisparse_jax.ops").restore_rows
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -480,3 +461,22 @@ class SimulatedServer:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def run_seeded_soak(sim: SimulatedServer, rng: random.Random, steps: int) -> None:
+    """Drives `sim` through a fixed random schedule and verifies every step: admissions from
+    three prompt families (shared prefixes), resumed preempted requests, finish / cancel /
+    preempt, chunked steps and completions delivered late."""
+    families = [[rng.randrange(5) for _ in range(48)] for _ in range(3)]
+    for i in range(steps):
+        roll = rng.random()
+        if roll < 0.25:
+            prompt = (sim.preempted.pop() if sim.preempted and rng.random() < 0.5
+                      else rng.choice(families)[: rng.randint(1, 44)])
+            sim.admit(f"r{i}", prompt[:47])
+        elif roll < 0.3 and sim.coord.request_ids:
+            how = rng.choice(["finish", "cancel", "preempt"])
+            sim.release(rng.choice(sim.coord.request_ids), how)
+        sim.step(max_chunk=rng.choice([None, 3, 8]))
+        sim.deliver(rng.random())
+        sim.verify()

@@ -94,25 +94,18 @@ def test_pool_above_the_limit_after_jax_started_is_a_clear_error():
 def test_soak_with_the_data_plane_ops_on_the_gpu():
     import random
 
-    from host_tier.testing import SimulatedServer, data_plane_mirror_fn, data_plane_restore_fn
+    from host_tier.testing import (
+        SimulatedServer,
+        data_plane_mirror_fn,
+        data_plane_restore_fn,
+        run_seeded_soak,
+    )
 
     rng = random.Random(3)
     sim = SimulatedServer(seed=3, mirror_fn=data_plane_mirror_fn(),
                           restore_fn=data_plane_restore_fn(), row_width=8)
-    families = [[rng.randrange(5) for _ in range(48)] for _ in range(3)]
     try:
-        for i in range(250):
-            roll = rng.random()
-            if roll < 0.25:
-                prompt = (sim.preempted.pop() if sim.preempted and rng.random() < 0.5
-                          else rng.choice(families)[: rng.randint(1, 44)])
-                sim.admit(f"r{i}", prompt[:47])
-            elif roll < 0.3 and sim.coord.request_ids:
-                sim.release(rng.choice(sim.coord.request_ids),
-                            rng.choice(["finish", "cancel", "preempt"]))
-            sim.step(max_chunk=rng.choice([None, 3, 8]))
-            sim.deliver(rng.random())
-            sim.verify()
+        run_seeded_soak(sim, rng, 250)
         assert sim.coord.stats["lost_pages"] > 0 and sim.coord.stats["copy_on_write"] > 0
         sim.release_all_and_check_leaks()
     finally:

@@ -31,7 +31,12 @@ from hypothesis.stateful import (
 )
 
 from host_tier.coordinator import Admitted
-from host_tier.testing import SimulatedServer, data_plane_mirror_fn, data_plane_restore_fn
+from host_tier.testing import (
+    SimulatedServer,
+    data_plane_mirror_fn,
+    data_plane_restore_fn,
+    run_seeded_soak,
+)
 
 CONFIGS = [
     dict(block_size=4, num_gpu_blocks=24, num_host_blocks=40, hot_size=8, top_k=4,
@@ -136,20 +141,8 @@ def test_seeded_soak_reaches_every_residency_path():
     rng = random.Random(7)
     sim = SimulatedServer(seed=7, mirror_fn=data_plane_mirror_fn(),
                           restore_fn=data_plane_restore_fn())
-    families = [[rng.randrange(5) for _ in range(48)] for _ in range(3)]
     try:
-        for i in range(300):
-            roll = rng.random()
-            if roll < 0.25:
-                prompt = (sim.preempted.pop() if sim.preempted and rng.random() < 0.5
-                          else rng.choice(families)[: rng.randint(1, 44)])
-                sim.admit(f"r{i}", prompt[:47])
-            elif roll < 0.3 and sim.coord.request_ids:
-                how = rng.choice(["finish", "cancel", "preempt"])
-                sim.release(rng.choice(sim.coord.request_ids), how)
-            sim.step(max_chunk=rng.choice([None, 3, 8]))
-            sim.deliver(rng.random())
-            sim.verify()
+        run_seeded_soak(sim, rng, 300)
         stats = sim.coord.stats
         for path in ("lost_pages", "unpinned_pages", "copy_on_write", "adopted_pages",
                      "hot_grants", "published_pages", "preemptions", "schedule_waits"):

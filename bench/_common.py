@@ -57,17 +57,19 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20) -> dict[
     }
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Writes `bench/results/<name>-<backend>.json`; the GPU suite ships the folder back."""
+def write_result(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
+    """Writes `bench/results/<name>-<backend>.json` (or `path`); the GPU suite ships the
+    folder back."""
     record = {
         "benchmark": name,
         "date": datetime.date.today().isoformat(),
         "machine": machine_description(),
         **payload,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    fname = f"{name}-{jax.default_backend()}.json"
-    path = RESULTS_DIR / fname
+    if path is None:
+        path = RESULTS_DIR / f"{name}-{jax.default_backend()}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(record, indent=2, sort_keys=False, default=str)
     path.write_text(text + "\n")
     return path

@@ -45,6 +45,7 @@ import numpy as np
 
 import hisparse_jax as hj
 from bench._common import time_fn, write_result
+from hisparse_jax._compat import memory_sharding
 from hisparse_jax.index_group import gather_compact_group
 from pallas_kernels import triton_kernels as tk
 from pallas_kernels.invalidate_ref import invalidate_written_rows_ref
@@ -62,7 +63,7 @@ T_START = time.perf_counter()
 
 
 def _sharding(kind):
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return memory_sharding(jax.devices()[0], kind)
 
 
 HOST, DEVICE = _sharding("pinned_host"), _sharding("device")

@@ -2,6 +2,7 @@
 # Every GPU test and benchmark in one call on the GPU machine (one H200, jax 0.11.2).
 #   bash bench/gpu_suite.sh [step ...]
 # steps: env tests decode data_plane sparse_mla (default), resolve resolve_pallas engine_gpu
+#        e2e_smoke e2e (the end-to-end decode benchmark, about 8 minutes)
 # Each step has its own time limit and a failing step does not stop the others. The log goes
 # to $OUT/suite.log and bench/results/ (also packed as $OUT/results.tar.gz) when OUT is set.
 set -u
@@ -32,8 +33,12 @@ run_step() {  # name, time limit in s, command...
       # The GPU-scale engine test (2-4 min) is left to `decode`, which checks the same
       # exactness (--check: tokens against all-resident) on the same config.
       tests) run_step tests 230 python3 -m pytest -m gpu -q -rfE --timeout=200 -p no:cacheprovider -k "not gpu_scale" tests ;;
-      decode) run_step decode 120 python3 examples/decode.py --config dsv32-2l --requests 6 --seats 8 --prompt-len 3500 --gen-len 16 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
-      engine_gpu) run_step engine_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
+      # 8 prompts of up to 3500 tokens on 400 device blocks of 64 rows (all-resident: 8 x 56):
+      # requests move to hot regions, pages are lost and read from host; tokens are checked.
+      decode) run_step decode 150 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
+      e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
+      e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;
+      engine_gpu) run_step engine_gpu 250 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       resolve) run_step resolve 150 python3 -m bench.bench_resolve --backend reference ;;
       resolve_pallas) run_step resolve_pallas 150 python3 -m bench.bench_resolve --backend pallas ;;
       data_plane) run_step data_plane 130 python3 -m bench.bench_data_plane ;;

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(run(args, all_resident=True, model=model))
     print_summary(engines)
     first = next(iter(engines[0].finished.values()))
-    print(f"request {first.request_id}: prompt[-8:] {first.prompt[-8:]} -> generated "
+    print(f"request {first.request_id}: prompt[-8:] {list(first.prompt[-8:])} -> generated "
           f"{first.generated[:16]}{' ...' if len(first.generated) > 16 else ''}")
     if len(engines) == 2:
         a, b = engines[0].finished, engines[1].finished

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hisparse_jax as hs
+from hisparse_jax._compat import memory_sharding
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     pages = -(-args.context // b)
     host_rows = (n * pages + 1) * b                        # block 0 is the null block
     dev = jax.devices()[0]
-    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    pinned = memory_sharding(dev, "pinned_host")
     pool_np = rng.standard_normal((host_rows, cfg.row_width)).astype(cfg.kv_dtype)
     host_pool = jax.device_put(pool_np, pinned)
     src = (1 + np.arange(n * pages).reshape(n, pages)).astype(np.int32)

@@ -18,7 +18,17 @@ once: the HiSparse step (resolve + gather + attend) and the fast step used when 
 scheduled request's context pages are still resident (upstream `all_context_pages_resident`),
 which maps top-k positions straight through the resident table and never touches the host
 tier. `all_resident=True` runs the same engine with every KV row on the device and no host
-tier at all: the baseline and the exactness reference.
+tier at all: the baseline and the exactness reference. `naive_offload=True` is the other
+baseline: every row lives on the host and every selected row is copied to the device every
+step (no hot-region reuse).
+
+For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
+source (a drift model or a replayed trace) instead of the indexer, and `synthetic_prefill`
+writes deterministic random KV rows (a function of request, layer and position) straight into
+the caches instead of running the model over the prompt; decode always runs the model.
+
+Every array the jitted functions take is committed to the device up front, so each variant
+compiles once (an uncommitted argument that later arrives committed would compile again).
 
 Seat = state row: batch row n of the decode step serves the request whose coordinator state
 row is n, so the per-state-row tables and hot state are read without any renumbering.
@@ -42,8 +52,9 @@ from flax import nnx
 
 from hisparse_jax import ops
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.nn import DecodeBatch, DecodeCache, Transformer
+from hisparse_jax.nn import DecodeBatch, DecodeCache, Transformer, write_cache_rows
 from hisparse_jax.state import init_hot_state
+from hisparse_jax.topk_sources import TopKSource
 
 # Donation is a no-op on some CPU builds; the warning says nothing actionable here.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -63,6 +74,13 @@ class EngineConfig:
       num_host_blocks: host pool blocks, null block included (default: max_seats full-length
         requests plus one spare request).
       all_resident: no host tier: every row stays on the device (the baseline).
+      naive_offload: the naive-offload baseline: pages leave the device as soon as their host
+        copy completes and every selected row is copied from host every step (hot region of
+        top_k rows, emptied before each step; no fast path).
+      topk_source: take the decode top-k from this `TopKSource` instead of the indexer.
+      synthetic_prefill: write deterministic random KV rows for the prompt instead of running
+        the model over it (requires `topk_source`: the indexer would have no keys); the first
+        generated token is the prompt's last token.
       prefill_bucket: prompts are padded to a multiple of this (bounds prefill compiles).
       attention_backend / ops_backend: `sparse_mla_decode` / data-plane op backends (None:
         the GPU kernels on a GPU, the references elsewhere).
@@ -80,6 +98,9 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     num_host_blocks: int | None = None
     all_resident: bool = False
+    naive_offload: bool = False
+    topk_source: TopKSource | None = None
+    synthetic_prefill: bool = False
     prefill_bucket: int = 16
     attention_backend: str | None = None
     ops_backend: str | None = None
@@ -93,8 +114,9 @@ class Request:
     """A generation request and its progress (the engine's record)."""
 
     request_id: Hashable
-    prompt: list[int]
+    prompt: tuple[int, ...]  # a tuple of ints: untracked by the GC (long prompts stay cheap)
     max_new_tokens: int
+    index: int = 0  # order of add_request (seeds the top-k source and synthetic rows)
     temperature: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
     generated: list[int] = dataclasses.field(default_factory=list)
@@ -105,7 +127,11 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+        return [*self.prompt, *self.generated]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
 
 
 @dataclasses.dataclass
@@ -154,14 +180,35 @@ class Engine:
         print(engine.summary())
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), *,
+                 host_pool: Any = None) -> None:
+        """Args:
+          model: the model (its parameters are split off and committed to the device).
+          config: serving knobs.
+          host_pool: an existing `host_tier.HostPool` to use (and not close): e.g. one pool
+            shared by engines that run one after another, instead of pinning a new pool per
+            engine. Its block count replaces `config.num_host_blocks`.
+        """
         self.model_config = mc = model.cfg
         self.config = ec = config
-        self.graphdef, self.params = nnx.split(model)
+        if ec.all_resident and ec.naive_offload:
+            raise ValueError("EngineConfig: all_resident and naive_offload exclude each other")
+        if ec.synthetic_prefill and ec.topk_source is None:
+            raise ValueError("EngineConfig.synthetic_prefill requires topk_source (the indexer "
+                             "has no keys for a prompt that was not run through the model)")
+        if ec.topk_source is not None and not isinstance(ec.topk_source, TopKSource):
+            raise ValueError("EngineConfig.topk_source must be a hisparse_jax.topk_sources."
+                             f"TopKSource, got {type(ec.topk_source).__name__}")
+        self.device = device = jax.devices()[0]
+        self.graphdef, params = nnx.split(model)
+        # Plain leaves at the jit boundary: flattening an nnx.State on every call costs more
+        # host time than the rest of the call's dispatch.
+        leaves, self._params_treedef = jax.tree.flatten(params)
+        self.params = self._put(leaves)
         B = ec.block_size
         self.B = B
         self.max_pages = -(-ec.max_model_len // B)
-        hot_size = ec.hot_size or _round_up(2 * mc.top_k, B)
+        hot_size = ec.hot_size or _round_up((1 if ec.naive_offload else 2) * mc.top_k, B)
         self.hs_config = HiSparseConfig(top_k=mc.top_k, hot_size=hot_size, block_size=B,
                                         max_num_reqs=ec.max_seats, row_width=mc.row_width,
                                         kv_dtype=mc.kv_dtype)
@@ -173,34 +220,52 @@ class Engine:
             num_gpu_blocks = ec.num_gpu_blocks or 1 + S * (self.max_pages
                                                            + self.hs_config.hot_blocks)
         self.num_gpu_blocks = num_gpu_blocks
-        device = jax.devices()[0]
         kv_dt = jnp.dtype(mc.kv_dtype)
-        self.cache = DecodeCache(
+        # With an external top-k source the indexer never runs: no key cache to speak of.
+        key_shape = ((1, 1, mc.index_dim) if ec.topk_source is not None
+                     else (S, ec.max_model_len, mc.index_dim))
+        self.cache = self._put(DecodeCache(
             kv=tuple(jnp.zeros((num_gpu_blocks, B, mc.row_width), kv_dt)
                      for _ in range(mc.num_layers)),
-            index_keys=tuple(jnp.zeros((S, ec.max_model_len, mc.index_dim), kv_dt)
-                             for _ in range(mc.num_groups)),
-            hot=tuple(init_hot_state(self.hs_config) for _ in range(mc.num_groups)))
+            index_keys=tuple(jnp.zeros(key_shape, kv_dt) for _ in range(mc.num_groups)),
+            hot=tuple(init_hot_state(self.hs_config) for _ in range(mc.num_groups))))
+        self.topk_source = self.topk_state = None
+        if ec.topk_source is not None:
+            self.topk_source = ec.topk_source.bind(num_groups=mc.num_groups, top_k=mc.top_k)
+            self.topk_state = self._put(self.topk_source.init_state(
+                max_seats=S, max_model_len=ec.max_model_len, num_groups=mc.num_groups,
+                top_k=mc.top_k))
 
         self.coord = self.host_pool = self.transfer = self.tables = None
+        self._owns_pool = False
         if ec.all_resident:
             res = np.zeros((S, self.max_pages), np.int32)
             res[:] = 1 + np.arange(S * self.max_pages, dtype=np.int32).reshape(S, -1)
-            self._static_tables = (jnp.zeros_like(jnp.asarray(res)), jnp.asarray(res),
-                                   jnp.zeros((S, self.hs_config.hot_blocks), jnp.int32))
+            self._static_tables = self._put((np.zeros_like(res), res,
+                                             np.zeros((S, self.hs_config.hot_blocks), np.int32)))
             self._free_seats = list(range(S))
             self.host_rows = 0
         else:
             from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
 
             num_host_blocks = ec.num_host_blocks or 1 + (S + 1) * self.max_pages
+            if host_pool is not None:
+                want = (mc.num_layers, B, mc.row_width, np.dtype(kv_dt))
+                have = (host_pool.num_layers, host_pool.block_size, host_pool.row_width,
+                        host_pool.dtype)
+                if have != want or host_pool.closed:
+                    raise ValueError(f"Engine host_pool must be an open HostPool of (layers, "
+                                     f"block_size, row_width, dtype) = {want}, got {have}")
+                num_host_blocks = host_pool.num_blocks
             self.coord = Coordinator(
                 block_size=B, num_gpu_blocks=num_gpu_blocks, num_host_blocks=num_host_blocks,
                 hot_blocks=self.hs_config.hot_blocks, max_num_reqs=S,
-                max_model_len=ec.max_model_len, enable_prefix_caching=False)
-            self.host_pool = HostPool(num_layers=mc.num_layers, block_size=B,
-                                      row_width=mc.row_width, dtype=kv_dt,
-                                      num_blocks=num_host_blocks, device=device)
+                max_model_len=ec.max_model_len, enable_prefix_caching=False,
+                offload_all=ec.naive_offload)
+            self._owns_pool = host_pool is None
+            self.host_pool = host_pool or HostPool(num_layers=mc.num_layers, block_size=B,
+                                                   row_width=mc.row_width, dtype=kv_dt,
+                                                   num_blocks=num_host_blocks, device=device)
             self.transfer = TransferEngine(self.host_pool, mirror_fn=ops.mirror_rows,
                                            restore_fn=ops.restore_rows)
             self.tables = DeviceBlockTables(S, self.max_pages, self.hs_config.hot_blocks,
@@ -213,13 +278,18 @@ class Engine:
         self.metrics = Metrics()
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count()
-        self._key = jax.random.PRNGKey(ec.seed)
+        self._key = self._put(jax.random.PRNGKey(ec.seed))
         self._step_counter = 0
         self._compiled: set[Hashable] = set()
         self._decode_tokens = 0  # tokens of steady-state (timed) decode steps
         self._decode_fast = self._jit_decode(use_host_tier=False)
         self._decode_hot = None if ec.all_resident else self._jit_decode(use_host_tier=True)
-        self._prefill = self._jit_prefill()
+        self._prefill = (self._jit_synthetic_prefill() if ec.synthetic_prefill
+                         else self._jit_prefill())
+
+    def _put(self, tree: Any) -> Any:
+        """Commits a pytree of arrays to the engine's device."""
+        return jax.device_put(tree, self.device)
 
     # ------------------------------------------------------------------ jitted steps
 
@@ -243,9 +313,18 @@ class Engine:
         graphdef, ec = self.graphdef, self.config
         kwargs = dict(block_size=self.B, use_host_tier=use_host_tier, host_rows=self.host_rows,
                       attention_backend=ec.attention_backend, ops_backend=ec.ops_backend,
-                      collect_attention=ec.collect_attention)
+                      collect_attention=ec.collect_attention,
+                      naive_offload=ec.naive_offload and use_host_tier)
+        source = self.topk_source
 
-        def step(params, cache, batch, host_pools, temperature, key):
+        treedef = self._params_treedef
+
+        def step(params, cache, batch, host_pools, temperature, key, counter, topk_state, steps):
+            params = jax.tree.unflatten(treedef, params)
+            key = jax.random.fold_in(key, counter)
+            if source is not None:
+                batch = dataclasses.replace(batch, topk=source.select(
+                    topk_state, batch.state_rows, batch.positions, steps))
             model = nnx.merge(graphdef, params)
             logits, cache, aux = model.decode(cache, batch, host_pools, **kwargs)
             return _sample(logits, temperature, key), cache, aux
@@ -254,14 +333,37 @@ class Engine:
         return jax.jit(self._wrap(step, name), donate_argnames=("cache",))
 
     def _jit_prefill(self) -> Callable[..., Any]:
-        graphdef, ec = self.graphdef, self.config
+        graphdef, ec, treedef = self.graphdef, self.config, self._params_treedef
 
-        def prefill(params, cache, tokens, length, state_row, write_rows, temperature, key):
+        def prefill(params, cache, tokens, length, state_row, write_rows, temperature, key,
+                    counter):
+            params = jax.tree.unflatten(treedef, params)
+            key = jax.random.fold_in(key, counter)
             model = nnx.merge(graphdef, params)
             logits, cache, aux = model.prefill(
                 cache, tokens, length, state_row, write_rows,
                 attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
             return _sample(logits[None], temperature[None], key)[0], cache, aux
+
+        return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",))
+
+    def _jit_synthetic_prefill(self) -> Callable[..., Any]:
+        num_layers, width = self.model_config.num_layers, self.model_config.row_width
+        base = jax.random.PRNGKey(self.config.seed)
+
+        def prefill(params, cache, tokens, length, state_row, rows_at, temperature, key,
+                    counter, request_index):
+            del params, state_row, temperature, key, counter
+            T = tokens.shape[0]
+            req_key = jax.random.fold_in(base, request_index)
+            pos = jnp.arange(T, dtype=jnp.int32)
+            kv = list(cache.kv)
+            for layer in range(num_layers):
+                layer_key = jax.random.fold_in(req_key, layer)
+                keys = jax.vmap(lambda p, k=layer_key: jax.random.fold_in(k, p))(pos)
+                rows = jax.vmap(lambda k: jax.random.normal(k, (width,)))(keys)
+                kv[layer] = write_cache_rows(kv[layer], rows_at, rows)
+            return tokens[length - 1], dataclasses.replace(cache, kv=tuple(kv)), {}
 
         return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",))
 
@@ -272,7 +374,7 @@ class Engine:
                     request_id: Hashable | None = None) -> Hashable:
         """Queues a request; returns its id. Stops at `max_new_tokens`, at a stop token (kept
         in the output) or at `max_model_len` tokens."""
-        prompt = [int(t) for t in prompt]
+        prompt = tuple(int(t) for t in prompt)
         if not prompt:
             raise ValueError("add_request: prompt must not be empty")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt):
@@ -283,8 +385,9 @@ class Engine:
                              f"max_model_len={self.config.max_model_len}")
         if max_new_tokens < 1:
             raise ValueError("add_request: max_new_tokens must be >= 1")
-        rid = next(self._ids) if request_id is None else request_id
-        self.waiting.append(Request(rid, prompt, int(max_new_tokens), float(temperature),
+        index = next(self._ids)
+        rid = index if request_id is None else request_id
+        self.waiting.append(Request(rid, prompt, int(max_new_tokens), index, float(temperature),
                                     frozenset(int(t) for t in stop_token_ids)))
         return rid
 
@@ -326,15 +429,18 @@ class Engine:
             # Admission keeps a hot region's worth of blocks free while others run, so a
             # running request that crosses the watermark can get its hot region (and start
             # unpinning) instead of stalling until someone is preempted.
-            need = -(-len(req.tokens) // self.B)
+            need = -(-req.num_tokens // self.B)
             if ((self.running or admitted)
                     and coord.device_pool.num_free - need < self.hs_config.hot_blocks):
                 self.metrics.waits += 1
+                # Running requests move to hot regions and unpin pages until it fits.
+                coord.request_room(need + self.hs_config.hot_blocks)
                 break
             result = coord.admit(req.request_id, req.tokens)
             if not hasattr(result, "state_row"):  # Wait
                 self.metrics.waits += 1
                 break
+            coord.request_room(0)
             self.waiting.popleft()
             req.seat = result.state_row
             admitted.append(req)
@@ -364,14 +470,20 @@ class Engine:
         kv = self.transfer.before_forward(plan, self.cache.kv)
         self.cache = dataclasses.replace(self.cache, kv=tuple(kv))
         finished = []
+        pending = None
         if decode:
-            fast = all(self._all_resident(req) for req in decode)
-            finished += self._run_decode(decode, fast=fast)
+            fast = not self.config.naive_offload and all(
+                self.coord.all_pages_resident(req.request_id) for req in decode)
+            pending = self._dispatch_decode(decode, fast=fast)
         for req in admitted:
             view = coord.view(req.request_id)
             finished += self._run_prefill(req, np.asarray(view.resident_blocks, np.int64))
+        # The spills and the worker reports run on the host while the device decodes; the
+        # sampled tokens are waited for last.
         self.transfer.after_forward(plan, self.cache.kv)
         self._deliver()
+        if pending is not None:
+            finished = self._finish_decode(pending) + finished
         return finished
 
     def _step_all_resident(self) -> list[Request]:
@@ -384,47 +496,53 @@ class Engine:
         if not decode and not admitted:
             return []
         self.metrics.steps += 1
-        finished = self._run_decode(decode, fast=True) if decode else []
+        finished = (self._finish_decode(self._dispatch_decode(decode, fast=True)) if decode
+                    else [])
         res = np.asarray(self._static_tables[1])
         for req in admitted:
             finished += self._run_prefill(req, res[req.seat].astype(np.int64))
         return finished
 
-    def _all_resident(self, req: Request) -> bool:
-        view = self.coord.view(req.request_id)
-        pages = -(-view.num_computed_tokens // self.B)
-        return all(b != 0 for b in view.resident_blocks[:pages])
-
-    def _next_key(self) -> jax.Array:
+    def _next_key(self) -> tuple[jax.Array, np.int32]:
+        """The sampling key and the counter the jitted step folds into it."""
         self._step_counter += 1
-        return jax.random.fold_in(self._key, self._step_counter)
+        return self._key, np.int32(self._step_counter)
 
-    def _run_decode(self, reqs: list[Request], *, fast: bool) -> list[Request]:
+    def _dispatch_decode(self, reqs: list[Request], *, fast: bool) -> tuple:
+        """Launches the jitted decode step for `reqs` (asynchronously); `_finish_decode`
+        waits for its tokens."""
         S = self.config.max_seats
         tokens = np.zeros(S, np.int32)
         positions = np.zeros(S, np.int32)
         state_rows = np.full(S, -1, np.int32)
         temperature = np.zeros(S, np.float32)
+        steps = np.zeros(S, np.int32)
         for req in reqs:
             tokens[req.seat] = req.generated[-1]
-            positions[req.seat] = len(req.tokens) - 1
+            positions[req.seat] = req.num_tokens - 1
             state_rows[req.seat] = req.seat
             temperature[req.seat] = req.temperature
+            steps[req.seat] = len(req.generated) - 1  # decode steps since the prefill
         if self.config.all_resident:
             src, res, hot = self._static_tables
             host_pools = ()
         else:
             src, res, hot = self.tables.src, self.tables.res, self.tables.hot
             host_pools = self.host_pool.arrays
-        batch = DecodeBatch(jnp.asarray(tokens), jnp.asarray(positions),
-                            jnp.asarray(state_rows), src, res, hot)
-        fn = self._decode_fast if fast else self._decode_hot
         t0 = time.perf_counter()
+        tokens, positions, state_rows, temperature, steps = self._put(
+            (tokens, positions, state_rows, temperature, steps))
+        batch = DecodeBatch(tokens, positions, state_rows, src, res, hot)
+        fn = self._decode_fast if fast else self._decode_hot
         next_tokens, self.cache, aux = fn(self.params, self.cache, batch,
-                                          host_pools if not fast else (),
-                                          jnp.asarray(temperature), self._next_key())
-        next_tokens = np.asarray(next_tokens)
-        hits, misses = np.asarray(aux["hits"]), np.asarray(aux["misses"])
+                                          host_pools if not fast else (), temperature,
+                                          *self._next_key(), self.topk_state, steps)
+        return reqs, fast, t0, next_tokens, aux
+
+    def _finish_decode(self, pending: tuple) -> list[Request]:
+        """Waits for a dispatched decode step; records its tokens and metrics."""
+        reqs, fast, t0, next_tokens, aux = pending
+        next_tokens, hits, misses = jax.device_get((next_tokens, aux["hits"], aux["misses"]))
         m = self.metrics
         if self._account("decode_fast" if fast else "decode_hot", time.perf_counter() - t0,
                          "decode_seconds"):
@@ -456,10 +574,15 @@ class Engine:
         pos = np.arange(n)
         write_rows = np.full(T, -1, np.int32)
         write_rows[:n] = res_blocks[pos // self.B] * self.B + pos % self.B
+        if self.topk_source is not None:
+            self.topk_state = self.topk_source.admit(self.topk_state, req.seat, req.index, n)
         t0 = time.perf_counter()
-        token, self.cache, aux = self._prefill(
-            self.params, self.cache, jnp.asarray(padded), jnp.int32(n), jnp.int32(req.seat),
-            jnp.asarray(write_rows), jnp.float32(req.temperature), self._next_key())
+        args = [self.params, self.cache, *self._put((padded, np.int32(n), np.int32(req.seat),
+                                                     write_rows, np.float32(req.temperature))),
+                *self._next_key()]
+        if self.config.synthetic_prefill:
+            args.append(np.int32(req.index))
+        token, self.cache, aux = self._prefill(*args)
         token = int(token)
         self._account(("prefill", T), time.perf_counter() - t0, "prefill_seconds")
         self.metrics.prefills += 1
@@ -487,7 +610,7 @@ class Engine:
             req.finish_reason = "stop"
         elif len(req.generated) >= req.max_new_tokens:
             req.finish_reason = "length"
-        elif len(req.tokens) >= self.config.max_model_len:
+        elif req.num_tokens >= self.config.max_model_len:
             req.finish_reason = "max_model_len"
         else:
             return False
@@ -547,7 +670,7 @@ class Engine:
         steps = max(m.decode_steps, 1)
         timed_steps = m.decode_steps - len([v for v in self._compiled if isinstance(v, str)])
         return {
-            "mode": "all-resident" if self.config.all_resident else "hisparse",
+            "mode": self.mode,
             "requests_finished": len(self.finished),
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": m.generated_tokens,
@@ -576,6 +699,15 @@ class Engine:
             "gpu_blocks": self.num_gpu_blocks,
         }
 
+    @property
+    def mode(self) -> str:
+        ec = self.config
+        return ("all-resident" if ec.all_resident else "naive-offload" if ec.naive_offload
+                else "hisparse")
+
     def close(self) -> None:
         if self.host_pool is not None:
-            self.host_pool.close()
+            if self.transfer is not None:
+                self._deliver(wait=True)  # no copy into the pool outlives the engine
+            if self._owns_pool:
+                self.host_pool.close()

@@ -147,7 +147,9 @@ class DecodeBatch:
 
     tokens, positions, state_rows: int32[N]. Tables (int32, indexed by STATE row, gathered by
     `state_rows` inside the step): src [S, P] host blocks, res [S, P] resident device blocks,
-    hot [S, Hb] hot-region device blocks (0 = null).
+    hot [S, Hb] hot-region device blocks (0 = null). topk: optional int32[G, N, top_k]
+    positions per index group from an external source (`hisparse_jax.topk_sources`); when
+    given, the indexer (and its key cache) is skipped.
     """
 
     tokens: jax.Array
@@ -156,6 +158,7 @@ class DecodeBatch:
     src: jax.Array
     res: jax.Array
     hot: jax.Array
+    topk: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -332,7 +335,7 @@ def _flat_rows(block_table: jax.Array, positions: jax.Array, block_size: int) ->
     return jnp.where(ok & (blocks > 0), blocks * block_size + positions % block_size, -1)
 
 
-def _write_rows(cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+def write_cache_rows(cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """cache[row] := values for rows >= 0 (flat rows of [num_blocks, B, W])."""
     flat = cache.reshape(-1, cache.shape[-1])
     idx = jnp.where(rows >= 0, rows, flat.shape[0])
@@ -362,8 +365,13 @@ class Transformer(nnx.Module):
     def decode(self, cache: DecodeCache, batch: DecodeBatch, host_pools: tuple[jax.Array, ...],
                *, block_size: int, use_host_tier: bool, host_rows: int = 0,
                attention_backend: str | None = None, ops_backend: str | None = None,
-               collect_attention: bool = False) -> tuple[jax.Array, DecodeCache, dict]:
+               collect_attention: bool = False, naive_offload: bool = False
+               ) -> tuple[jax.Array, DecodeCache, dict]:
         """One decode token per batch row. Returns (logits float32[N, V], new cache, aux).
+
+        `naive_offload` (with `use_host_tier`): the hot state is emptied before every resolve,
+        so every selected row that is not resident is copied from host again each step (the
+        naive-offload baseline: no reuse across steps).
 
         aux: "hits" / "misses" int32[num_groups] (hot-region lookups summed over rows; zeros
         without the host tier) and, with `collect_attention`, "attention" [L, N, h, kv_lora]
@@ -384,21 +392,31 @@ class Transformer(nnx.Module):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             h = block.attn_norm(x)
             q_lora, q, row = block.attn.project(h, pos)
-            kv[layer] = _write_rows(kv[layer], write_rows, row)
+            kv[layer] = write_cache_rows(kv[layer], write_rows, row)
             if leader:
-                idx = block.indexer
-                keys = index_keys[g]
-                keys = keys.at[jnp.where(live, batch.state_rows, keys.shape[0]), pos].set(
-                    idx.keys(h, pos), mode="drop")
-                index_keys[g] = keys
-                iq, iw = idx.queries(q_lora, h, pos)
-                topk = idx.select(iq, iw, keys[srow], pos)
+                if batch.topk is not None:  # an external source: causal entries only
+                    topk = batch.topk[g]
+                    topk = jnp.where(topk <= pos[:, None], topk, -1)
+                else:
+                    idx = block.indexer
+                    keys = index_keys[g]
+                    keys = keys.at[jnp.where(live, batch.state_rows, keys.shape[0]), pos].set(
+                        idx.keys(h, pos), mode="drop")
+                    index_keys[g] = keys
+                    iq, iw = idx.queries(q_lora, h, pos)
+                    topk = idx.select(iq, iw, keys[srow], pos)
                 topk = jnp.where(live[:, None], topk, -1)
                 if use_host_tier:
                     group = slice(layer, layer + c.index_group_size)
-                    written_host = jnp.where(live, _flat_rows(src, pos, block_size), -1)
-                    hot[g] = ops.invalidate_written_rows(hot[g], batch.state_rows, written_host,
-                                                         backend=ops_backend)
+                    if naive_offload:
+                        hot[g] = HotState(jnp.full_like(hot[g].slot_rows, -1),
+                                          jnp.broadcast_to(jnp.arange(hot[g].hot_size,
+                                                                      dtype=hot[g].lru.dtype),
+                                                           hot[g].lru.shape))
+                    else:
+                        written_host = jnp.where(live, _flat_rows(src, pos, block_size), -1)
+                        hot[g] = ops.invalidate_written_rows(hot[g], batch.state_rows,
+                                                             written_host, backend=ops_backend)
                     resolution, hot[g] = ops.resolve_residency(
                         hot[g], topk, state_rows=batch.state_rows, hot_block_table=hot_tbl,
                         source_block_table=src, resident_block_table=res,
@@ -444,7 +462,7 @@ class Transformer(nnx.Module):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             h = block.attn_norm(x)
             q_lora, q, row = block.attn.project(h, pos)
-            kv[layer] = _write_rows(kv[layer], write_rows, row)
+            kv[layer] = write_cache_rows(kv[layer], write_rows, row)
             if leader:
                 idx = block.indexer
                 keys = idx.keys(h, pos)

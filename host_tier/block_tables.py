@@ -84,6 +84,11 @@ class BlockTables:
         """The rows changed since the previous call (copies), and forgets them."""
         parts = {}
         for group in GROUPS:
+            if not self._dirty[group]:  # the common decode step: nothing changed
+                parts[group] = TableRows(rows=np.zeros(0, np.int32),
+                                         values=np.zeros((0, self._tables[group].shape[1]),
+                                                         np.int32))
+                continue
             rows = np.array(sorted(self._dirty[group]), np.int32)
             parts[group] = TableRows(rows=rows, values=self._tables[group][rows].copy())
             self._dirty[group].clear()

@@ -118,7 +118,7 @@ class _Request:
 
     request_id: Hashable
     state_row: int
-    token_ids: list[int]
+    token_ids: array.array  # int64; a list of 64K ints would cost every full GC a 64K walk
     num_computed: int
     host_blocks: list[int]
     res_blocks: list[int]
@@ -135,6 +135,7 @@ class _Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     scheduled: int = 0  # tokens scheduled in the current pass
     detached_pages: int = -1  # >= 0 once finished with publications still pending
+    num_nonresident: int = 0  # NULL entries of res_blocks (pages read from host)
 
 
 @dataclasses.dataclass(eq=False)
@@ -179,11 +180,14 @@ class Coordinator:
       max_num_reqs: state rows: requests admitted at once.
       max_model_len: longest request, in tokens.
       enable_prefix_caching: publish durable host pages and serve prefix hits from them.
+      offload_all: the naive-offload policy (a benchmark baseline): every request asks for a
+        hot region from its first step and each page loses its device block as soon as its
+        host copy completes, so everything but the pinned tail is read from host.
     """
 
     def __init__(self, *, block_size: int, num_gpu_blocks: int, num_host_blocks: int,
                  hot_blocks: int, max_num_reqs: int, max_model_len: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, offload_all: bool = False) -> None:
         for name, value in (("block_size", block_size), ("num_gpu_blocks", num_gpu_blocks),
                             ("num_host_blocks", num_host_blocks), ("hot_blocks", hot_blocks),
                             ("max_num_reqs", max_num_reqs), ("max_model_len", max_model_len)):
@@ -202,7 +206,11 @@ class Coordinator:
         self.max_model_len = max_model_len
         self.max_pages = _cdiv(max_model_len, block_size)
         self.enable_prefix_caching = enable_prefix_caching
+        # Every request reads from host from its first step, and a page's device block is
+        # released the moment its host copy completes (the naive-offload baseline).
+        self.offload_all = bool(offload_all)
         self.watermark = max(hot_blocks, num_gpu_blocks // 10)
+        self._room = 0  # device blocks a waiting admission asked for (`request_room`)
         self.max_spill_pages = max(1, max_model_len // block_size)
 
         self.device_pool = BlockPool(num_gpu_blocks, name="device pool")
@@ -259,6 +267,21 @@ class Coordinator:
 
     def has_pending_transfers(self) -> bool:
         return bool(self._spills or self._restores or self._awaiting_enqueue_notice)
+
+    def request_room(self, num_blocks: int) -> None:
+        """Asks the running requests to make room for `num_blocks` more device blocks (e.g. a
+        waiting admission: a long prompt needs its pages free at once). Until it is cancelled
+        (`request_room(0)`), the residency policy treats the pool as under pressure while
+        fewer than `watermark + num_blocks` blocks are free, so requests move to hot regions
+        and unpin their clean pages, whose blocks count as free."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ValueError(f"request_room: num_blocks must be an int >= 0, got {num_blocks!r}")
+        self._room = num_blocks
+
+    def all_pages_resident(self, request_id: Hashable) -> bool:
+        """Whether every computed page of a running request has its resident block (no read
+        from host needed: the decode fast path). Cheaper than `view`."""
+        return self._running(request_id, "all_pages_resident").num_nonresident == 0
 
     def view(self, request_id: Hashable) -> RequestView:
         r = self._running(request_id, "view")
@@ -359,7 +382,8 @@ class Coordinator:
         new_host = self.host_pool.allocate(host_need)
         hot = self.device_pool.allocate(self.hot_blocks) if need_hot else []
         res = self.device_pool.allocate(new_res_pages)
-        r = _Request(request_id=request_id, state_row=state_row, token_ids=tokens,
+        r = _Request(request_id=request_id, state_row=state_row,
+                     token_ids=array.array("q", tokens),
                      num_computed=num_cached, host_blocks=hit_blocks[:full_hit] + new_host,
                      res_blocks=[NULL_BLOCK] * full_hit + res, hot=hot,
                      valid=set(range(full_hit)), ready_prefix=full_hit, num_published=full_hit,
@@ -384,6 +408,7 @@ class Coordinator:
                 r.res_blocks[p] = block
                 r.pinned_clean.add(p)
                 self.stats["adopted_pages"] += 1
+        r.num_nonresident = r.res_blocks.count(NULL_BLOCK)
         self.stats["cached_tokens"] += num_cached
         return Admitted(request_id, state_row, num_cached, chunk)
 
@@ -405,6 +430,21 @@ class Coordinator:
           ValueError: unknown request, already scheduled in this pass, invalid tokens, or more
             than max_model_len tokens.
         """
+        r = self._requests.get(request_id)
+        if (r is not None and not r.scheduled and num_tokens is None
+                and len(new_token_ids) == 1 and r.num_computed == len(r.token_ids)
+                and r.num_computed < self.max_model_len
+                and r.num_computed < len(r.res_blocks) * self.block_size
+                and r.num_computed < len(r.host_blocks) * self.block_size
+                and (r.hot or not r.hot_required)):
+            # The decode step of a request with room in its pages: one token, nothing to
+            # allocate, no table row changes (the general path below does the same, slower).
+            token = new_token_ids[0]
+            if type(token) is int and -(1 << 63) <= token < (1 << 63):
+                r.token_ids.append(token)
+                r.scheduled = 1
+                self._pass.append(r)
+                return None
         r = self._running(request_id, "schedule")
         if r.scheduled:
             raise ValueError(f"schedule: request {request_id!r} is already scheduled in this pass")
@@ -448,7 +488,8 @@ class Coordinator:
             r.host_blocks.extend([NULL_BLOCK] * new_host_pages)
         r.scheduled = n
         self._pass.append(r)
-        self._touched.add(r)
+        if grant_hot or new_pages or new_host_pages > 0:
+            self._touched.add(r)  # its table rows changed
         return None
 
     def build_plan(self) -> StepPlan:
@@ -575,6 +616,8 @@ class Coordinator:
             exclusive[block] = who
 
         for r in self._requests.values():
+            assert r.num_nonresident == r.res_blocks.count(NULL_BLOCK), (
+                f"request {r.request_id!r}: non-resident page count out of date")
             name = f"request {r.request_id!r}"
             n = len(r.res_blocks)
             assert len(r.host_blocks) >= n, f"{name}: fewer host entries than resident pages"
@@ -675,6 +718,8 @@ class Coordinator:
     def _plan_spills(self, r: _Request, budget: int) -> int:
         """Eager write-back of sealed pages that have no host copy; returns spills planned."""
         sealed = r.num_computed // self.block_size
+        if not r.unbound and r.spill_cursor >= sealed:
+            return 0  # nothing sealed since the last pass
         planned = 0
         for p in itertools.chain(sorted(r.unbound), range(r.spill_cursor, sealed)):
             if planned >= budget:
@@ -710,9 +755,12 @@ class Coordinator:
 
     def _update_residency(self, r: _Request) -> None:
         if not r.hot:
-            if self.device_pool.num_free >= self.watermark:
+            free = self.device_pool.num_free
+            if free >= self.watermark + self._room and not self.offload_all:
                 return
             r.hot_required = True  # granted when the request is next scheduled
+            return
+        if not r.pinned_clean:
             return
         tail_start = len(r.res_blocks) - ACTIVE_TAIL_PAGES
         for p in sorted(r.pinned_clean, reverse=True):  # tail first: heads survive longer
@@ -726,6 +774,16 @@ class Coordinator:
         r.unpinned.add(page)
         self._release_device_page(block)
         self.stats["unpinned_pages"] += 1
+        if self.offload_all:  # lost at once: read from host from the next step on
+            readers = self._owners[block]
+            readers.discard((r, page))
+            if not readers:
+                del self._owners[block]
+            r.res_blocks[page] = NULL_BLOCK
+            r.num_nonresident += 1
+            r.unpinned.discard(page)
+            self._touched.add(r)
+            self.stats["lost_pages"] += 1
 
     def _release_device_page(self, block: int) -> None:
         # Resident pages are always released with the watcher, so that a device copy indexed
@@ -739,6 +797,7 @@ class Coordinator:
         for r, page in self._owners.pop(block, ()):
             # The page is lost: its owner reads it from host from now on.
             r.res_blocks[page] = NULL_BLOCK
+            r.num_nonresident += 1
             r.unpinned.discard(page)
             self._touched.add(r)
             self.stats["lost_pages"] += 1
@@ -849,6 +908,11 @@ class Coordinator:
 
 
 def _check_tokens(tokens: Sequence[int], what: str) -> list[int]:
+    out = list(tokens)
+    # Fast path (every decode step, every prompt): plain ints in the int64 range.
+    if all(type(t) is int for t in out) and (
+            not out or (min(out) >= -(1 << 63) and max(out) < (1 << 63))):
+        return out
     out = []
     for i, t in enumerate(tokens):
         if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not (

@@ -189,7 +189,12 @@ class HostPool:
             raise ValueError(
                 f"HostPool.memory_kind={memory_kind!r} is not a memory of {device} "
                 f"(it has {kinds})")
-        self.sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+        # A NamedSharding over one device, not a SingleDeviceSharding: jit outputs placed by
+        # a SingleDeviceSharding in pinned_host are typed as device memory (jax 0.10 / 0.11),
+        # so a pool written by a kernel would reach the next jit as a device operand.
+        self.sharding = jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array([device]), ("one",)), jax.sharding.PartitionSpec(),
+            memory_kind=memory_kind)
         self.shape = (num_blocks, block_size, row_width)
         self._arrays: list[jax.Array] | None = []
         try:

@@ -191,7 +191,9 @@ def apply_hot_updates(plan: StepPlan, hot_state: Any, *, block_size: int,
     if plan.hot_resets:
         if reset_rows_fn is None:
             from hisparse_jax.state import reset_rows as reset_rows_fn  # data plane, lazily
-        hot_state = reset_rows_fn(hot_state, jnp.asarray(np.array(plan.hot_resets, np.int32)))
+        rows = np.full(_bucket(len(plan.hot_resets)), -1, np.int32)  # -1: ignored
+        rows[:len(plan.hot_resets)] = plan.hot_resets
+        hot_state = reset_rows_fn(hot_state, jnp.asarray(rows))
     if plan.hot_invalidations:
         n = len(plan.hot_invalidations)
         width = max(len(inv.host_blocks) for inv in plan.hot_invalidations)

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from hisparse_jax import nn
+from hisparse_jax._compat import jit_cache_size
 from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
 
 MAX_LEN = 96
 PROMPTS = [np.random.default_rng(i).integers(0, 512, 40 + 5 * i).tolist() for i in range(6)]
@@ -79,6 +81,54 @@ def test_decode_step_compiles_once(all_resident, pressured):
     engine, _ = pressured
     assert dict(engine.trace_counts) == {"prefill": 1, "decode_fast": 1, "decode_hot": 1}
     assert dict(all_resident[0].trace_counts) == {"prefill": 1, "decode_fast": 1}
+    # ... and each compiled once: every argument is committed to the device up front, so
+    # none arrives with another placement later (which would compile again, not retrace).
+    for fn in (engine._decode_fast, engine._decode_hot, engine._prefill,
+               all_resident[0]._decode_fast):
+        assert jit_cache_size(fn) == 1
+
+
+def _run_external(source, **overrides):
+    """The prompts with synthetic prefill and an external top-k source."""
+    return _run(topk_source=source, synthetic_prefill=True, collect_attention=False,
+                **overrides)
+
+
+def test_external_topk_modes_decode_the_same_tokens():
+    # Synthetic KV rows and a drift model at 25% turnover: all-resident, HiSparse under
+    # pressure and naive offload read the same rows, so greedy decoding agrees token for token.
+    drift = DriftTopK(turnover=0.25, seed=2)
+    base_engine, base = _run_external(drift, all_resident=True)
+    hs_engine, hs = _run_external(drift, num_gpu_blocks=44)
+    nv_engine, nv = _run_external(drift, num_gpu_blocks=44, naive_offload=True)
+    for a, b, c in zip(base, hs, nv, strict=True):
+        assert a.generated == b.generated == c.generated, a.request_id
+    s, n = hs_engine.summary(), nv_engine.summary()
+    assert s["mode"] == "hisparse" and n["mode"] == "naive-offload"
+    assert s["lost_pages"] > 0 and hs_engine.metrics.hot_hits > 0, s
+    # Naive offload: no step reuses a copied row, none takes the fast path, and it moves
+    # more rows than HiSparse does for the same top-k.
+    assert nv_engine.metrics.hot_hits == 0 and n["fast_path_steps"] == 0
+    assert n["rows_moved_h2d"] > s["rows_moved_h2d"] > 0
+    assert nv_engine.hs_config.hot_size == 16  # top_k rows: one step's selection
+    for e in (base_engine, hs_engine, nv_engine):
+        assert set(e.trace_counts) <= {"prefill", "decode_fast", "decode_hot"}
+        e.close()
+    # The drift model recorded as a trace and replayed: the same tokens again.
+    trace = record(drift, contexts=[len(p) for p in PROMPTS], steps=GEN, num_groups=2,
+                   top_k=16)
+    tr_engine, tr = _run_external(TraceTopK(trace), num_gpu_blocks=44)
+    assert [r.generated for r in tr] == [r.generated for r in base]
+    tr_engine.close()
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="synthetic_prefill requires topk_source"):
+        Engine(tiny_model(), EngineConfig(synthetic_prefill=True))
+    with pytest.raises(ValueError, match="exclude each other"):
+        Engine(tiny_model(), EngineConfig(all_resident=True, naive_offload=True))
+    with pytest.raises(ValueError, match="TopKSource"):
+        Engine(tiny_model(), EngineConfig(topk_source=object()))
 
 
 def test_fast_path_stop_tokens_and_temperature(all_resident):

@@ -389,3 +389,39 @@ def test_from_config_takes_sizes_from_a_hisparse_config():
                                     max_model_len=128)
     assert (coord.block_size, coord.hot_blocks, coord.tables.max_num_reqs) == (4, 4, 3)
     assert coord.watermark == max(4, 32 // 10) and coord.max_spill_pages == 32
+
+
+def test_request_room_moves_running_requests_to_hot_regions_and_unpins_their_pages():
+    # Without pressure a request keeps every page pinned; a waiting admission that asks for
+    # room makes it take a hot region and unpin its clean pages, whose blocks count as free.
+    coord = make(num_gpu_blocks=32, max_model_len=64)
+    coord.admit("a", list(range(20)))  # 5 sealed pages
+    complete_all(coord, coord.build_plan())
+    decode(coord, "a", 2)  # page 5 opens
+    assert not coord.view("a").hot_blocks and not coord.view("a").unpinned_pages
+    free_before = coord.device_pool.num_free
+    coord.request_room(free_before)  # more than is free: pressure
+    decode(coord, "a", 2)  # hot region granted, then the clean pages unpin
+    view = coord.view("a")
+    assert len(view.hot_blocks) == 2
+    assert view.unpinned_pages == {0, 1, 2, 3}  # every page but the 2 tail pages
+    assert coord.device_pool.num_free == free_before - 2 + 4
+    coord.request_room(0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        coord.request_room(-1)
+
+
+def test_offload_all_reads_every_sealed_page_but_the_tail_from_host():
+    coord = make(num_gpu_blocks=32, max_model_len=64, offload_all=True)
+    coord.admit("a", list(range(20)))
+    complete_all(coord, coord.build_plan())
+    decode(coord, "a", 2)
+    view = coord.view("a")
+    assert len(view.hot_blocks) == 2 and not view.unpinned_pages
+    # Lost at once (their host copies completed): only the 2 tail pages stay resident.
+    assert view.resident_blocks[:4] == (NULL_BLOCK,) * 4
+    assert all(b != NULL_BLOCK for b in view.resident_blocks[4:])
+    assert all(b != NULL_BLOCK for b in view.host_blocks[:5])
+    assert not coord.all_pages_resident("a")
+    assert coord.stats["lost_pages"] == 4
+    coord.check_invariants()

@@ -149,3 +149,22 @@ def test_read_rows_returns_copies_so_the_pool_stays_donatable():
         assert not rows.any()
         with pytest.raises(ValueError, match=r"rows must be in \[0, 8\)"):
             pool.read_rows(0, [8])
+
+
+def test_a_pool_array_written_by_a_jit_is_typed_as_host_memory():
+    # A kernel that writes the pool in place returns it through a jit whose out_shardings is
+    # the pool's sharding. Its output must be typed as host memory, or the next jit that
+    # takes the pool (the decode step) sees a device operand (GPU: the Pallas kernel's output
+    # is a device-typed value placed in pinned memory by out_shardings alone).
+    from hisparse_jax import _compat
+
+    with HostPool(num_layers=1, block_size=4, row_width=8, dtype="float32",
+                  num_blocks=4) as pool:
+        fresh = jax.device_put(np.ones(pool.shape, np.float32), jax.devices()[0])
+        out = jax.jit(lambda x: x * 2, out_shardings=pool.sharding)(fresh)
+        assert out.sharding.memory_kind == "pinned_host"
+        assert _compat.in_host_memory(out)
+        seen = []
+        jax.jit(lambda p: seen.append(_compat.in_host_memory(p)) or p.shape[0])(out)
+        assert seen == [True]
+        pool.replace_layer(0, out)

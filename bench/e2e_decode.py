@@ -1,0 +1,441 @@
+"""End-to-end decode throughput: HiSparse against all-resident and naive offload.
+
+The same model (default `dsv32-2l`: the DeepSeek-V3.2 attention dimensions, 2 layers), the
+same requests and the same GPU KV budget (device blocks per layer) in three modes:
+
+  * `all-resident`: every KV row on the device; admission is capped by the budget
+    (`(budget - 1) // pages_per_request` requests at once, the rest wait);
+  * `naive-offload`: every row lives on the host; every step copies every selected row that is
+    not in the request's pinned tail from the pinned pool (no reuse across steps);
+  * `hisparse`: resident pages while the pool has room, hot regions (LRU over host rows)
+    once it does not; misses are copied from host inside the step.
+
+Prompts are long (default 65,536 tokens). Their prefill is SYNTHETIC: deterministic random KV
+rows are written straight into the device pages (then spilled to host like any prefill), the
+model is not run over the prompt; decode runs the model for real. The top-k comes from a drift
+model (`hisparse_jax.topk_sources.DriftTopK`: a set turnover per step) or a trace file
+(`--trace`, format in `hisparse_jax/topk_sources.py`), not from the indexer.
+
+For each (mode, concurrency C, turnover) the benchmark submits C requests, steps the engine
+until its steady state (C running, or all-resident's cap running with the rest waiting), runs
+`--warmup-steps` more, then times `--measure-steps` whole engine steps (scheduler, transfers,
+jitted decode, sampling; wall clock). Reported: decode tokens/s, inter-token latency p50 / p95
+(the step times), hot-buffer hit rate, rows and bytes host -> device per step, compiles seen in
+the measured window (should be 0), memory. Results go to `bench/results/e2e_decode-<backend>.json`
+(written after every run) and a PNG plot (`--plot`, matplotlib).
+
+    python3 -m bench.e2e_decode                                   # the full sweep (GPU)
+    python3 -m bench.e2e_decode --config tiny --context 2048 --concurrency 1,4 \\
+        --block-size 16 --measure-steps 8                         # a CPU smoke run
+    python3 -m bench.e2e_decode --plot-only bench/results/e2e_decode-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Room for the pinned pools of the largest runs (must be set before JAX initialises).
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench._common import RESULTS_DIR, write_result  # noqa: E402
+from hisparse_jax import nn  # noqa: E402
+from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
+from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
+from host_tier import HostPool  # noqa: E402
+
+MODES = ("all-resident", "naive-offload", "hisparse")
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax.monitoring events) while `active`."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_: Any) -> None:
+        if self.active and event.endswith("backend_compile_duration"):
+            self.count += 1
+
+
+def _pages(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def plan_sizes(args: argparse.Namespace, cfg: nn.ModelConfig) -> dict[str, int]:
+    B = args.block_size
+    max_model_len = args.context + args.gen_budget
+    pages = _pages(max_model_len, B)
+    hot_blocks = _pages(args.hot_size or 2 * cfg.top_k, B)
+    c_max = max(args.concurrency)
+    # Default budget: HiSparse's C_max hot regions plus pinned tails, one prompt being admitted
+    # and a tenth for the watermark; all-resident gets (budget - 1) // pages requests of it.
+    budget = args.gpu_blocks or int(1.1 * (c_max * (hot_blocks + 3) + pages)) + 1
+    return {"max_model_len": max_model_len, "pages_per_request": pages,
+            "hot_blocks": hot_blocks, "gpu_blocks": budget,
+            "all_resident_cap": (budget - 1) // pages}
+
+
+class Skip(Exception):
+    """A run that cannot reach its steady state (recorded, not fatal)."""
+
+
+def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
+                mode: str, concurrency: int, source: Any, pool: Any) -> Engine:
+    seats = (min(concurrency, sizes["all_resident_cap"]) if mode == "all-resident"
+             else concurrency)
+    if seats < 1:
+        raise Skip("the GPU KV budget holds no full request")
+    ec = EngineConfig(
+        max_seats=seats, max_model_len=sizes["max_model_len"], block_size=args.block_size,
+        hot_size=None if mode == "naive-offload" else args.hot_size,
+        num_gpu_blocks=None if mode == "all-resident" else sizes["gpu_blocks"],
+        all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
+        topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0)
+    engine = Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
+    rng = np.random.default_rng(0)
+    for _ in range(concurrency):
+        # Token ids only matter for the last one (the first decode input): synthetic prefill.
+        prompt = [1] * (args.context - 1) + [int(rng.integers(2, model.cfg.vocab_size))]
+        engine.add_request(prompt, max_new_tokens=sizes["max_model_len"] - args.context)
+    return engine
+
+
+def ramp(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    """Steps until the steady state: every seat busy (all-resident: the rest waiting) and,
+    for the host-tier modes, nobody waiting; then `--warmup-steps` more."""
+    t0 = time.perf_counter()
+    steps = 0
+    target = engine.config.max_seats
+    while len(engine.running) < target or (engine.waiting and not engine.config.all_resident):
+        engine.step()
+        steps += 1
+        if steps > args.max_ramp_steps:
+            raise Skip(f"no steady state after {steps} steps (running {len(engine.running)}, "
+                       f"waiting {len(engine.waiting)})")
+    seconds = time.perf_counter() - t0
+    for _ in range(args.warmup_steps):
+        engine.step()
+    return {"steps_to_steady_state": steps, "ramp_seconds": seconds}
+
+
+class Window:
+    """Measured steps of one engine (possibly in several blocks)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.running: list[int] = []
+        self.dropped = 0
+        self.compiles = 0
+        self.hits = self.misses = self.rows = self.decode_steps = self.fast_steps = 0
+
+    def measure(self, num_steps: int, counter: CompileCounter) -> None:
+        m = self.engine.metrics
+        h0, x0, r0, d0, f0 = (m.hot_hits, m.hot_misses, m.rows_moved, m.decode_steps,
+                              m.fast_steps)
+        done = dropped = 0
+        counter.active = True
+        while done < num_steps and dropped < num_steps:
+            g0, c0 = m.generated_tokens, counter.count
+            n_running = len(self.engine.running)
+            t0 = time.perf_counter()
+            self.engine.step()
+            dt = time.perf_counter() - t0
+            if counter.count != c0:  # a first call of some bucketed helper: not steady state
+                dropped += 1
+                self.compiles += counter.count - c0
+                continue
+            done += 1
+            self.running.append(n_running)
+            self.times.append(dt)
+            self.tokens.append(m.generated_tokens - g0)
+        counter.active = False
+        self.dropped += dropped
+        self.hits += m.hot_hits - h0
+        self.misses += m.hot_misses - x0
+        self.rows += m.rows_moved - r0
+        self.decode_steps += m.decode_steps - d0
+        self.fast_steps += m.fast_steps - f0
+
+    def result(self) -> dict[str, Any]:
+        e, t = self.engine, np.asarray(self.times)
+        lookups = self.hits + self.misses
+        steps = max(self.decode_steps, 1)
+        s = e.summary()
+        return {
+            "seats": e.config.max_seats,
+            "decode_tokens_per_s": float(np.sum(self.tokens) / t.sum()),
+            "itl_ms_p50": float(1e3 * np.percentile(t, 50)),
+            "itl_ms_p95": float(1e3 * np.percentile(t, 95)),
+            "itl_ms_mean": float(1e3 * t.mean()),
+            "running_min": int(min(self.running)), "running_max": int(max(self.running)),
+            "hit_rate": self.hits / lookups if lookups else None,
+            "rows_h2d_per_step": self.rows / steps,
+            "bytes_h2d_per_step": self.rows * e.row_bytes / steps,
+            "fast_path_steps": self.fast_steps,
+            "measured_steps": len(self.times),
+            "steps_dropped_for_compiles": self.dropped,
+            "compiles_in_window": self.compiles,
+            "preemptions": e.metrics.preemptions,
+            "hot_grants": s["hot_grants"], "lost_pages": s["lost_pages"],
+            "device_bytes": s["device_bytes"],
+            "device_allocator_bytes": s["device_allocator_bytes"],
+            "host_pool_bytes": s["host_bytes"],
+        }
+
+
+def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
+              modes: list[str], concurrency: int, turnover: float, pool: Any,
+              counter: CompileCounter) -> list[dict[str, Any]]:
+    """One concurrency and turnover. Naive offload runs alone; HiSparse and all-resident
+    (when both are asked for) are alive together and measured in alternating blocks, so
+    clock and host drift hit both alike. Host-tier engines run one at a time on `pool`."""
+    out: list[dict[str, Any]] = []
+    paired = [m for m in ("hisparse", "all-resident") if m in modes]
+    groups = [[m] for m in modes if m == "naive-offload"] + ([paired] if paired else [])
+    for group in groups:
+        t_group = time.perf_counter()
+        engines: dict[str, Engine] = {}
+        info: dict[str, dict[str, Any]] = {}
+        try:
+            for mode in group:
+                source = (TraceTopK.load(args.trace) if args.trace
+                          else DriftTopK(turnover=turnover, seed=1))
+                t0 = time.perf_counter()
+                engines[mode] = make_engine(model, args, sizes, mode=mode,
+                                            concurrency=concurrency, source=source, pool=pool)
+                info[mode] = {"setup_seconds": time.perf_counter() - t0,
+                              **ramp(engines[mode], args)}
+            windows = {mode: Window(e) for mode, e in engines.items()}
+            rounds = args.rounds if len(windows) > 1 else 1
+            block = -(-args.measure_steps // rounds)
+            for r in range(rounds):
+                for mode in (list(windows) if r % 2 == 0 else list(windows)[::-1]):
+                    windows[mode].measure(block, counter)
+            for mode, w in windows.items():
+                others = [m for m in windows if m != mode]
+                out.append({"mode": mode, "concurrency": concurrency, "turnover": turnover,
+                            **w.result(), **info[mode],
+                            "measurement": (f"interleaved with {others[0]}: {rounds} blocks "
+                                            f"of {block} steps each" if others
+                                            else f"{block} consecutive steps"),
+                            "group_seconds": time.perf_counter() - t_group})
+        except Skip as e:
+            out += [{"mode": m, "concurrency": concurrency, "turnover": turnover,
+                     "skipped": str(e)} for m in group]
+        finally:
+            for e in engines.values():
+                e.close()
+            engines.clear()
+            gc.collect()
+    return out
+
+
+def _groups(args: argparse.Namespace) -> list[tuple[int, float, list[str]]]:
+    """(concurrency, turnover, modes), most important first: a cut run keeps those."""
+    cs = sorted(set(args.concurrency))
+    order = list(dict.fromkeys([cs[0], cs[-1], *cs[1:-1][::-1]]))
+    groups = [(c, args.turnover, list(args.modes)) for c in order]
+    at = args.turnover_sweep_at or cs[-1]
+    offload = [m for m in args.modes if m != "all-resident"]
+    groups += [(at, tv, offload) for tv in args.turnover_sweep if offload]
+    return groups
+
+
+def _print(r: dict[str, Any]) -> None:
+    head = f"[e2e] {r['mode']:13s} C={r['concurrency']:4d} turnover={r['turnover']:.2f}:"
+    if "skipped" in r:
+        print(f"{head} skipped ({r['skipped']})", flush=True)
+        return
+    hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
+    print(f"{head} {r['decode_tokens_per_s']:9.1f} tok/s, ITL p50 {r['itl_ms_p50']:7.2f} ms "
+          f"p95 {r['itl_ms_p95']:7.2f} ms mean {r['itl_ms_mean']:7.2f}, hit {hit}, "
+          f"{r['bytes_h2d_per_step'] / 2**20:8.2f} MiB/step h2d, seats {r['seats']}, "
+          f"fast {r['fast_path_steps']}, dropped {r['steps_dropped_for_compiles']}, "
+          f"ramp {r['steps_to_steady_state']} steps {r['ramp_seconds']:.1f} s", flush=True)
+
+
+def summarise(results: list[dict[str, Any]], base_turnover: float) -> dict[str, Any]:
+    """Ratios of the targets: HiSparse / all-resident at the lowest and highest concurrency,
+    HiSparse / naive-offload at the base turnover (every concurrency)."""
+    by = {(r["mode"], r["concurrency"], r["turnover"]): r for r in results
+          if "decode_tokens_per_s" in r}
+    out: dict[str, Any] = {"hisparse_over_all_resident": {}, "hisparse_over_naive": {}}
+    for (mode, c, tv), r in sorted(by.items(), key=lambda kv: kv[0][1]):
+        if mode != "hisparse":
+            continue
+        a = by.get(("all-resident", c, base_turnover))
+        if a is not None and tv == base_turnover:
+            out["hisparse_over_all_resident"][c] = (r["decode_tokens_per_s"]
+                                                    / a["decode_tokens_per_s"])
+        n = by.get(("naive-offload", c, tv))
+        if n is not None:
+            out["hisparse_over_naive"][f"C={c},turnover={tv}"] = (r["decode_tokens_per_s"]
+                                                                  / n["decode_tokens_per_s"])
+    return out
+
+
+def plot(path_json: Path, path_png: Path, sweep_json: Path | None = None) -> None:
+    """Throughput against concurrency per mode (left) and against turnover (right, from
+    `sweep_json` when given: e.g. an earlier run that completed the turnover sweep)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = json.loads(Path(path_json).read_text())
+    base = record["config"]["turnover"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, style in zip(MODES, ("s--", "^:", "o-"), strict=True):
+        pts = sorted((r["concurrency"], r["decode_tokens_per_s"]) for r in record["results"]
+                     if r["mode"] == mode and r["turnover"] == base and "decode_tokens_per_s" in r)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    cs = sorted({r["concurrency"] for r in record["results"]})
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("decode tokens/s")
+    cfg = record["config"]
+    ax.set_title(f"{cfg['model']}, {cfg['context']} context, top-k turnover {base:.0%}\n"
+                 f"GPU KV budget {cfg['gpu_blocks']} blocks/layer "
+                 f"(all-resident cap {cfg['all_resident_cap']})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    sweep_record = json.loads(Path(sweep_json).read_text()) if sweep_json else record
+    sweep = [r for r in sweep_record["results"]
+             if "decode_tokens_per_s" in r and r["mode"] != "all-resident"]
+    at = sweep_record["config"].get("turnover_sweep_at") or max(
+        (r["concurrency"] for r in sweep if r["turnover"] != base), default=None)
+    for mode, style in (("naive-offload", "^:"), ("hisparse", "o-")):
+        # The median step: the sweep's means carry host stalls unrelated to the turnover.
+        pts = sorted((r["turnover"], 1e3 * r["running_max"] / r["itl_ms_p50"]) for r in sweep
+                     if r["mode"] == mode and r["concurrency"] == at)
+        if pts:
+            ax2.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=mode)
+    ax2.set_xlabel("top-k set turnover per step (%)")
+    ax2.set_ylabel("decode tokens/s at the median step time")
+    ax2.set_title(f"turnover sweep at {at} concurrent requests"
+                  + (f"\n(from {Path(sweep_json).name}, {sweep_record['date']})"
+                     if sweep_json else ""), fontsize=9)
+    ax2.grid(True, alpha=0.3)
+    ax2.legend()
+    fig.suptitle(f"hisparse-jax end-to-end decode on {record['machine']['device']} "
+                 f"(jax {record['machine']['jax']}, {record['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+    p.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
+    p.add_argument("--gen-budget", type=int, default=1024,
+                   help="room for generated tokens (max_model_len = context + this)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
+    p.add_argument("--turnover", type=float, default=0.05, help="drift model: set turnover/step")
+    p.add_argument("--turnover-sweep", type=_floats, default=[0.02, 0.10, 0.25],
+                   help="more turnovers, at --turnover-sweep-at concurrency (not all-resident)")
+    p.add_argument("--turnover-sweep-at", type=int, default=None, help="default: max concurrency")
+    p.add_argument("--trace", default=None, help="replay this top-k trace file instead")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--hot-size", type=int, default=None, help="default 2 * top_k")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="GPU KV budget, blocks per layer (default: sized for max concurrency)")
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--measure-steps", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="HiSparse and all-resident alternate in this many measured blocks")
+    p.add_argument("--max-ramp-steps", type=int, default=2000)
+    p.add_argument("--time-budget", type=float, default=float("inf"),
+                   help="seconds; runs that would start later are skipped")
+    p.add_argument("--output", default=None, help="default bench/results/e2e_decode-<backend>.json")
+    p.add_argument("--plot", default=None, help="PNG path (default next to the JSON)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--plot-only", default=None, help="draw the plot of an existing JSON and exit")
+    p.add_argument("--sweep-from", default=None,
+                   help="with --plot-only: take the turnover panel from this JSON")
+    args = p.parse_args(argv)
+
+    if args.plot_only:
+        src = Path(args.plot_only)
+        plot(src, Path(args.plot or src.with_suffix(".png")), args.sweep_from)
+        return 0
+    t_start = time.perf_counter()
+    cfg = nn.get_config(args.config)
+    if args.context < 1 or args.gen_budget < 1:
+        raise SystemExit("--context and --gen-budget must be positive")
+    sizes = plan_sizes(args, cfg)
+    model = nn.init_model(cfg, seed=0)
+    counter = CompileCounter()
+    name = "e2e_decode"
+    out_json = (Path(args.output) if args.output
+                else RESULTS_DIR / f"{name}-{jax.default_backend()}.json")
+    config = {"model": cfg.name, "context": args.context, "gen_budget": args.gen_budget,
+              "block_size": args.block_size, "top_k": cfg.top_k,
+              "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
+              "topk_source": f"trace {args.trace}" if args.trace else "drift model",
+              "prefill": "synthetic (random KV rows written straight into the caches)",
+              "warmup_steps": args.warmup_steps, "measure_steps": args.measure_steps,
+              "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0], **sizes}
+    results: list[dict[str, Any]] = []
+    print(f"[e2e] {cfg.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
+    # One pinned pool for every host-tier engine (they run one at a time): pinning and
+    # unpinning tens of GiB per run would cost more than the runs, and a pool freed while
+    # the next engine runs stalls it.
+    pool = None
+    if any(m != "all-resident" for m in args.modes):
+        pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
+                        row_width=cfg.row_width, dtype=cfg.kv_dtype,
+                        num_blocks=1 + (max(args.concurrency) + 1) * sizes["pages_per_request"])
+        config["host_pool_gib"] = pool.nbytes / 2**30
+    for c, tv, modes in _groups(args):
+        if time.perf_counter() - t_start > args.time_budget:
+            results += [{"mode": m, "concurrency": c, "turnover": tv, "skipped": "time budget"}
+                        for m in modes]
+            write_result(name, {"config": config, "results": results,
+                                "ratios": summarise(results, args.turnover)}, out_json)
+            continue
+        for r in run_group(model, args, sizes, modes=modes, concurrency=c, turnover=tv,
+                           pool=pool, counter=counter):
+            results.append(r)
+            _print(r)
+        write_result(name, {"config": config, "results": results,
+                            "ratios": summarise(results, args.turnover)}, out_json)
+    if pool is not None:
+        pool.close()
+    print(json.dumps(summarise(results, args.turnover), indent=1))
+    if not args.no_plot:
+        try:
+            plot(out_json, Path(args.plot or out_json.with_suffix(".png")))
+        except ImportError:
+            print("[e2e] matplotlib is not installed: no plot (pip install matplotlib)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

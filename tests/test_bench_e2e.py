@@ -34,6 +34,27 @@ def test_e2e_benchmark_runs_every_mode_and_writes_its_record(tmp_path):
     assert nv["rows_h2d_per_step"] > hs["rows_h2d_per_step"] > 0
     assert runs[("hisparse", 6, 0.25)]["rows_h2d_per_step"] > hs["rows_h2d_per_step"]
     assert set(record["ratios"]["hisparse_over_all_resident"]) == {"1", "6"}
-    pytest.importorskip("matplotlib")
-    e2e_decode.plot(out, tmp_path / "e2e.png")
+    ratio = runs[("hisparse", 1, 0.05)]["decode_tokens_per_s"] / runs[
+        ("all-resident", 1, 0.05)]["decode_tokens_per_s"]
+    assert record["ratios"]["hisparse_over_all_resident"]["1"] == pytest.approx(ratio)
+
+
+def test_e2e_plot_draws_both_panels(tmp_path):
+    pytest.importorskip("matplotlib")  # the optional `bench` extra
+    from bench import e2e_decode
+
+    def row(mode, c, tv, tps):
+        return {"mode": mode, "concurrency": c, "turnover": tv, "decode_tokens_per_s": tps,
+                "itl_ms_p50": 1e3 * c / tps, "running_max": c}
+
+    results = [row(m, c, 0.05, c * k) for m, k in (("all-resident", 90), ("hisparse", 100),
+                                                    ("naive-offload", 50)) for c in (1, 8)]
+    results += [row(m, 8, tv, 500) for m in ("hisparse", "naive-offload") for tv in (0.1, 0.25)]
+    record = {"date": "2026-11-30", "machine": {"device": "cpu", "jax": "x"},
+              "config": {"turnover": 0.05, "turnover_sweep_at": 8, "model": "tiny",
+                         "context": 256, "gpu_blocks": 10, "all_resident_cap": 1},
+              "results": results}
+    src = tmp_path / "e2e.json"
+    src.write_text(json.dumps(record))
+    e2e_decode.plot(src, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 10_000

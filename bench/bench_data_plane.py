@@ -45,8 +45,8 @@ import numpy as np
 
 import hisparse_jax as hj
 from bench._common import time_fn, write_result
-from hisparse_jax._compat import memory_sharding
 from hisparse_jax.index_group import gather_compact_group
+from host_tier import memory_sharding
 from pallas_kernels import triton_kernels as tk
 from pallas_kernels.invalidate_ref import invalidate_written_rows_ref
 from pallas_kernels.resolve_ref import resolve_residency_ref

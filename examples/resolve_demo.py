@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hisparse_jax as hs
-from hisparse_jax._compat import memory_sharding
+from host_tier import memory_sharding
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.extend.core as _jex_core
-import numpy as np
 from jax.experimental.compute_on import compute_on as _compute_on
 from jax.interpreters import mlir as _mlir
 
@@ -135,17 +134,3 @@ def jit_cache_size(fn: Callable[..., Any]) -> int:
     """Executables a `jax.jit` function holds (one per distinct argument signature; private
     API on both supported versions, so it lives here)."""
     return int(fn._cache_size())
-
-
-def memory_sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
-    """A one-device sharding in `memory_kind` memory (e.g. "pinned_host") for pools.
-
-    A NamedSharding over a one-device mesh, not a SingleDeviceSharding: on jax 0.10.2 and
-    0.11.2 a jit output placed by `out_shardings=SingleDeviceSharding(..., "pinned_host")`
-    is typed as device memory (`jax.typeof(x).memory_space`) although its buffer is pinned,
-    and the next jit that takes it then sees a device-memory operand. A NamedSharding carries
-    the memory space into the output type.
-    """
-    mesh = jax.sharding.Mesh(np.array([device]), ("one",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
-                                      memory_kind=memory_kind)

@@ -41,7 +41,7 @@ from flax import nnx
 from hisparse_jax import ops
 from hisparse_jax.attention import sparse_mla_decode
 from hisparse_jax.index_group import gather_compact_group
-from hisparse_jax.state import HotState
+from hisparse_jax.state import HotState, empty_like
 
 # --------------------------------------------------------------------------- configs
 
@@ -409,10 +409,7 @@ class Transformer(nnx.Module):
                 if use_host_tier:
                     group = slice(layer, layer + c.index_group_size)
                     if naive_offload:
-                        hot[g] = HotState(jnp.full_like(hot[g].slot_rows, -1),
-                                          jnp.broadcast_to(jnp.arange(hot[g].hot_size,
-                                                                      dtype=hot[g].lru.dtype),
-                                                           hot[g].lru.shape))
+                        hot[g] = empty_like(hot[g])
                     else:
                         written_host = jnp.where(live, _flat_rows(src, pos, block_size), -1)
                         hot[g] = ops.invalidate_written_rows(hot[g], batch.state_rows,

@@ -33,13 +33,23 @@ class HotState:
         return self.slot_rows.shape[1]
 
 
-def init_hot_state(cfg: HiSparseConfig) -> HotState:
-    """Every slot empty, LRU = arange(H) for every state row."""
-    shape = (cfg.max_num_reqs, cfg.hot_size)
+def _empty(num_rows: int, hot_size: int) -> HotState:
+    """`num_rows` rows with every slot empty and LRU = arange(H)."""
+    shape = (num_rows, hot_size)
     return HotState(
         slot_rows=jnp.full(shape, -1, jnp.int32),
-        lru=jnp.broadcast_to(jnp.arange(cfg.hot_size, dtype=jnp.int16), shape),
+        lru=jnp.broadcast_to(jnp.arange(hot_size, dtype=jnp.int16), shape),
     )
+
+
+def init_hot_state(cfg: HiSparseConfig) -> HotState:
+    """Every slot empty, LRU = arange(H) for every state row."""
+    return _empty(cfg.max_num_reqs, cfg.hot_size)
+
+
+def empty_like(state: HotState) -> HotState:
+    """A state of the same shape with every row empty (usable inside jit)."""
+    return _empty(state.max_num_reqs, state.hot_size)
 
 
 @jax.jit
@@ -51,9 +61,8 @@ def reset_rows(state: HotState, rows: jax.Array) -> HotState:
     rows = jnp.asarray(rows, jnp.int32).reshape(-1)
     num_rows, hot_size = state.slot_rows.shape
     rows = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows)  # out of range: dropped
-    empty = jnp.full((rows.shape[0], hot_size), -1, jnp.int32)
-    fresh_lru = jnp.broadcast_to(jnp.arange(hot_size, dtype=jnp.int16), empty.shape)
+    fresh = _empty(rows.shape[0], hot_size)
     return HotState(
-        slot_rows=state.slot_rows.at[rows].set(empty, mode="drop"),
-        lru=state.lru.at[rows].set(fresh_lru, mode="drop"),
+        slot_rows=state.slot_rows.at[rows].set(fresh.slot_rows, mode="drop"),
+        lru=state.lru.at[rows].set(fresh.lru, mode="drop"),
     )

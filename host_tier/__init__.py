@@ -18,7 +18,7 @@ from host_tier.coordinator import (
     RequestView,
     Wait,
 )
-from host_tier.host_pool import HostPool
+from host_tier.host_pool import HostPool, memory_sharding
 from host_tier.plan import (
     HotInvalidation,
     PageRestore,
@@ -55,4 +55,5 @@ __all__ = [
     "Wait",
     "apply_hot_updates",
     "invalidate_host_blocks",
+    "memory_sharding",
 ]

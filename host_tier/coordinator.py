@@ -779,11 +779,7 @@ class Coordinator:
             readers.discard((r, page))
             if not readers:
                 del self._owners[block]
-            r.res_blocks[page] = NULL_BLOCK
-            r.num_nonresident += 1
-            r.unpinned.discard(page)
-            self._touched.add(r)
-            self.stats["lost_pages"] += 1
+            self._lose_page(r, page)
 
     def _release_device_page(self, block: int) -> None:
         # Resident pages are always released with the watcher, so that a device copy indexed
@@ -795,12 +791,15 @@ class Coordinator:
         if h is not None and self._copies.get(h) == block:
             del self._copies[h]
         for r, page in self._owners.pop(block, ()):
-            # The page is lost: its owner reads it from host from now on.
-            r.res_blocks[page] = NULL_BLOCK
-            r.num_nonresident += 1
-            r.unpinned.discard(page)
-            self._touched.add(r)
-            self.stats["lost_pages"] += 1
+            self._lose_page(r, page)
+
+    def _lose_page(self, r: _Request, page: int) -> None:
+        """An unpinned page loses its device block: its owner reads it from host from now on."""
+        r.res_blocks[page] = NULL_BLOCK
+        r.num_nonresident += 1
+        r.unpinned.discard(page)
+        self._touched.add(r)
+        self.stats["lost_pages"] += 1
 
     def _spill_enqueued(self, spill: _Spill) -> None:
         spill.enqueued = True

@@ -29,6 +29,20 @@ RAM_FRACTION_LIMIT = 0.95
 _GIB = 1 << 30
 
 
+def memory_sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
+    """A one-device sharding in `memory_kind` memory (e.g. "pinned_host"), for pools.
+
+    A NamedSharding over a one-device mesh, not a SingleDeviceSharding: on jax 0.10.2 and
+    0.11.2 a jit output placed by `out_shardings=SingleDeviceSharding(..., "pinned_host")`
+    is typed as device memory (`jax.typeof(x).memory_space`) although its buffer is pinned,
+    so a pool written by a kernel would reach the next jit as a device operand. A
+    NamedSharding carries the memory space into the output type.
+    """
+    mesh = jax.sharding.Mesh(np.array([device]), ("one",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
+                                      memory_kind=memory_kind)
+
+
 def available_ram_bytes() -> int:
     """RAM the OS reports as available (psutil if installed, else /proc/meminfo, else sysconf)."""
     try:
@@ -189,12 +203,7 @@ class HostPool:
             raise ValueError(
                 f"HostPool.memory_kind={memory_kind!r} is not a memory of {device} "
                 f"(it has {kinds})")
-        # A NamedSharding over one device, not a SingleDeviceSharding: jit outputs placed by
-        # a SingleDeviceSharding in pinned_host are typed as device memory (jax 0.10 / 0.11),
-        # so a pool written by a kernel would reach the next jit as a device operand.
-        self.sharding = jax.sharding.NamedSharding(
-            jax.sharding.Mesh(np.array([device]), ("one",)), jax.sharding.PartitionSpec(),
-            memory_kind=memory_kind)
+        self.sharding = memory_sharding(device, memory_kind)
         self.shape = (num_blocks, block_size, row_width)
         self._arrays: list[jax.Array] | None = []
         try:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import _compat
+from pallas_kernels import _compat
 from pallas_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
 BACKENDS = ("reference", "mosaic_gpu", "triton")

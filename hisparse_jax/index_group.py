@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import jax
 
-from hisparse_jax import _compat, ops
+from hisparse_jax import ops
 from hisparse_jax.state import HotState
+from pallas_kernels import _compat
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "fused"), donate_argnames=("kv_caches",))

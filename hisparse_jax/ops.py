@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import _compat
 from hisparse_jax.state import HotState
+from pallas_kernels import _compat
 from pallas_kernels.host_copy_ref import gather_compact_ref, mirror_rows_ref
 from pallas_kernels.invalidate_ref import invalidate_written_rows_ref
 from pallas_kernels.resolve_ref import resolve_residency_ref

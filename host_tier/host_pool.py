@@ -1,6 +1,6 @@
 """`HostPool`: the pinned host KV pool, one `[num_blocks, B, W]` array per sparse layer.
 
-The arrays live in `pinned_host` memory (pageable memory is 7x slower to copy, see GPU-FACTS.md).
+The arrays live in `pinned_host` memory (pageable memory is about 7x slower to copy to the device).
 Host block 0 is the null block: it is allocated like the others but never handed out by the host
 `BlockPool`.
 
@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from pallas_kernels import _compat
 
 HOST_MEMORY_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 DEFAULT_HOST_MEMORY_LIMIT_GB = 64  # XLA's default cap on its pinned host allocator
@@ -61,17 +63,6 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _backends_initialized() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        if hasattr(xla_bridge, "backends_are_initialized"):
-            return bool(xla_bridge.backends_are_initialized())
-        return bool(getattr(xla_bridge, "_backends", {}))
-    except ImportError:  # pragma: no cover - layout of jax internals changed
-        return True  # assume the worst: only check, never set
-
-
 def required_host_memory_limit_gb(pool_bytes: int) -> int:
     """The `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` a pool of `pool_bytes` needs (5% + 1 GiB headroom
     for the allocator and other pinned buffers)."""
@@ -108,7 +99,7 @@ def ensure_host_memory_limit(pool_bytes: int, *, environ: Any = None,
     if current is not None and current >= needed:
         return "already sufficient"
     if backends_initialized is None:
-        backends_initialized = _backends_initialized()
+        backends_initialized = _compat.backends_initialized()
     if not backends_initialized:
         environ[HOST_MEMORY_LIMIT_ENV] = str(needed)
         return "set"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hisparse_jax import _compat
+from pallas_kernels import _compat
 
 
 def swap_plan_rows(swap_src, swap_dst, swap_counts, num_cache_rows):

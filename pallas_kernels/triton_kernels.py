@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from hisparse_jax import _compat
+from pallas_kernels import _compat
 from pallas_kernels.sparse_mla_ref import combine_splits
 
 _ANY = pl.BlockSpec(memory_space=pl.ANY)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from hisparse_jax import nn
-from hisparse_jax._compat import jit_cache_size
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
+from pallas_kernels._compat import jit_cache_size
 
 MAX_LEN = 96
 PROMPTS = [np.random.default_rng(i).integers(0, 512, 40 + 5 * i).tolist() for i in range(6)]

@@ -156,7 +156,7 @@ def test_a_pool_array_written_by_a_jit_is_typed_as_host_memory():
     # the pool's sharding. Its output must be typed as host memory, or the next jit that
     # takes the pool (the decode step) sees a device operand (GPU: the Pallas kernel's output
     # is a device-typed value placed in pinned memory by out_shardings alone).
-    from hisparse_jax import _compat
+    from pallas_kernels import _compat
 
     with HostPool(num_layers=1, block_size=4, row_width=8, dtype="float32",
                   num_blocks=4) as pool:

@@ -20,9 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hisparse_jax as hj
-from hisparse_jax import _compat
 from hisparse_jax.index_group import gather_compact_group, resolve_and_gather
-from pallas_kernels import dispatch
+from pallas_kernels import _compat, dispatch
 from pallas_kernels import triton_kernels as tk
 from pallas_kernels.host_copy_ref import gather_compact_ref
 from pallas_kernels.resolve_ref import resolve_residency_ref

@@ -1,7 +1,9 @@
-"""Every difference between the supported jax versions (0.10.2 on Python 3.11, 0.11.2 on 3.12).
+"""Every difference between the supported jax versions and every use of a private jax API.
 
-Nothing else in the project may test `jax.__version__`; code that needs a version-dependent
-API calls the helper here instead.
+Supported: jax 0.10.2 (the newest for Python 3.11), 0.11.x and 0.12.x (Python 3.12). Nothing
+else in the project tests `jax.__version__` or imports `jax._src`; code that needs a
+version-dependent or private API calls the helper here. This module sits in the bottom layer
+(`pallas_kernels`, which imports only jax and numpy), so every layer above may use it.
 """
 
 from __future__ import annotations
@@ -130,7 +132,52 @@ def interpret_operand(x: jax.Array) -> jax.Array:
     return x
 
 
+def backends_initialized() -> bool:
+    """Whether JAX has initialised its backends (after which XLA flags and allocator limits
+    read from the environment no longer change). Private API; True when it cannot tell."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - layout of jax internals changed
+        return True  # assume the worst: callers only check, never set
+    if hasattr(xla_bridge, "backends_are_initialized"):
+        return bool(xla_bridge.backends_are_initialized())
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
 def jit_cache_size(fn: Callable[..., Any]) -> int:
     """Executables a `jax.jit` function holds (one per distinct argument signature; private
     API on both supported versions, so it lives here)."""
     return int(fn._cache_size())
+
+
+def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str | None:
+    """The StableHLO text of `jax.jit(fn)(*args)` exported for CUDA from a machine without a
+    GPU (args may be `jax.ShapeDtypeStruct`s), or None when this jax's internals moved.
+
+    Runs the whole Pallas -> Triton lowering, so a non-power-of-two shape or a primitive the
+    Triton backend lacks fails on a CPU machine (CI) rather than on the GPU machine. The
+    Triton lowering asks for the GPU's properties; the private hook that answers them is
+    pointed at an H200's for the duration of the call.
+    """
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as reg
+    except ImportError:  # pragma: no cover - layout of jax internals changed
+        return None
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        gpu_info = None
+    patched = None
+    if gpu_info is not None and hasattr(reg, "gpu_info_lib"):
+        info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+        patched = reg.gpu_info_lib.get_gpu_info
+        reg.gpu_info_lib.get_gpu_info = lambda: info
+    try:
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+                "__gpu$xla.gpu.triton")])(*args)
+        return exported.mlir_module()
+    finally:
+        if patched is not None:
+            reg.gpu_info_lib.get_gpu_info = patched

@@ -374,3 +374,20 @@ def invalidate_written_rows(
                          f"{written_rows.shape} must have the same length")
     return _invalidate(state, state_rows_per_token, written_rows,
                        backend=_pick("invalidate_written_rows", backend))
+
+
+def gather_compact_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *,
+                         backend: str | None = None, fused: bool = True):
+    """`gather_compact` of one swap plan into every layer of an index group (see
+    `hisparse_jax.index_group.gather_compact_group`)."""
+    from hisparse_jax.index_group import gather_compact_group as group  # noqa: PLC0415
+
+    return group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, backend=backend,
+                 fused=fused)
+
+
+def sparse_mla_decode(*args, **kwargs):
+    """`hisparse_jax.attention.sparse_mla_decode`."""
+    from hisparse_jax.attention import sparse_mla_decode as attend  # noqa: PLC0415
+
+    return attend(*args, **kwargs)

@@ -463,7 +463,7 @@ class Engine:
         self.metrics.steps += 1
         self.tables.apply(plan.tables)
         if plan.hot_resets or plan.hot_invalidations:
-            from host_tier import apply_hot_updates
+            from hisparse_jax._moved_from_host_tier import apply_hot_updates
 
             self.cache = dataclasses.replace(self.cache, hot=tuple(
                 apply_hot_updates(plan, h, block_size=self.B) for h in self.cache.hot))

@@ -1,59 +1,60 @@
 """Host tier of HiSparse: the pinned host pool, block pools and the residency coordinator.
 
-Scheduler side (plain Python, no jax arrays): `BlockPool`, `BlockTables`, `Coordinator`.
-Worker side (jax arrays): `HostPool`, `DeviceBlockTables`, `TransferEngine`.
-Between them: the `StepPlan` and `TransferReport` dataclasses of `host_tier.plan`.
+  - `host_tier.scheduler` (standard library and numpy only): `BlockPool`, `BlockTables`,
+    `Coordinator` and its parts; decides where every page lives.
+  - `host_tier.plan` (numpy only): `StepPlan`, `TransferReport` and their parts, the contract
+    between the two sides.
+  - `host_tier.worker` (jax): `HostPool`, `DeviceBlockTables`, `TransferEngine`; moves bytes.
+  - `host_tier.sizes`: small size rules shared by the project.
+  - `host_tier.testing` (jax): reference copies and a simulated serving loop, for tests.
 
-This package never imports `pallas_kernels`, and imports `hisparse_jax` only lazily (the data-plane
-copies are passed in as functions).
+The names below are re-exported lazily (PEP 562): `import host_tier` and
+`import host_tier.scheduler` load no jax; `from host_tier import HostPool` loads the worker side.
+Nothing in this package imports `hisparse_jax` or a kernel: the data-plane copies are passed in
+as functions.
 """
 
-from host_tier.block_pool import NULL_BLOCK, BlockPool, PoolExhaustedError
-from host_tier.block_tables import BlockTables, DeviceBlockTables
-from host_tier.coordinator import (
-    ACTIVE_TAIL_PAGES,
-    Admitted,
-    CapacityError,
-    Coordinator,
-    RequestView,
-    Wait,
-)
-from host_tier.host_pool import HostPool, memory_sharding
-from host_tier.plan import (
-    HotInvalidation,
-    PageRestore,
-    PageSpill,
-    StepPlan,
-    StepWrite,
-    TableRows,
-    TableUpdate,
-    TransferReport,
-)
-from host_tier.transfer import TransferEngine, apply_hot_updates, invalidate_host_blocks
+from __future__ import annotations
 
-__all__ = [
-    "ACTIVE_TAIL_PAGES",
-    "NULL_BLOCK",
-    "Admitted",
-    "BlockPool",
-    "BlockTables",
-    "CapacityError",
-    "Coordinator",
-    "DeviceBlockTables",
-    "HostPool",
-    "HotInvalidation",
-    "PageRestore",
-    "PageSpill",
-    "PoolExhaustedError",
-    "RequestView",
-    "StepPlan",
-    "StepWrite",
-    "TableRows",
-    "TableUpdate",
-    "TransferEngine",
-    "TransferReport",
-    "Wait",
-    "apply_hot_updates",
-    "invalidate_host_blocks",
-    "memory_sharding",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ACTIVE_TAIL_PAGES": "host_tier.scheduler.records",
+    "Admitted": "host_tier.scheduler.records",
+    "CapacityError": "host_tier.scheduler.records",
+    "RequestView": "host_tier.scheduler.records",
+    "Wait": "host_tier.scheduler.records",
+    "NULL_BLOCK": "host_tier.scheduler.block_pool",
+    "BlockPool": "host_tier.scheduler.block_pool",
+    "PoolExhaustedError": "host_tier.scheduler.block_pool",
+    "BlockTables": "host_tier.scheduler.block_tables",
+    "Coordinator": "host_tier.scheduler.coordinator",
+    "HotInvalidation": "host_tier.plan",
+    "PageRestore": "host_tier.plan",
+    "PageSpill": "host_tier.plan",
+    "StepPlan": "host_tier.plan",
+    "StepWrite": "host_tier.plan",
+    "TableRows": "host_tier.plan",
+    "TableUpdate": "host_tier.plan",
+    "TransferReport": "host_tier.plan",
+    "DeviceBlockTables": "host_tier.worker.device_tables",
+    "HostPool": "host_tier.worker.host_pool",
+    "memory_sharding": "host_tier.worker.host_pool",
+    "TransferEngine": "host_tier.worker.transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'host_tier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,11 +1,14 @@
 """The plan that crosses from the `Coordinator` (decides) to the `TransferEngine` (moves bytes).
 
-Plain frozen dataclasses of ints and small numpy arrays: no jax arrays, nothing to sync. The worker
-applies one `StepPlan` per model step, in this order:
+Plain frozen dataclasses of ints and small numpy arrays (standard library and numpy only): no
+jax arrays, nothing to sync. The scheduler side (`host_tier.scheduler`) builds them, the worker
+side (`host_tier.worker`) and the data plane consume them. The worker applies one `StepPlan` per
+model step, in this order:
 
   1. `tables`: changed rows of the per-request block tables (`DeviceBlockTables.apply`);
   2. `hot_resets`, then `hot_invalidations`: hot-state rows to empty, and hot entries that point
-     at host blocks newly allocated to their request (`apply_hot_updates`);
+     at host blocks newly allocated to their request (the data plane's `apply_hot_updates`,
+     `hisparse_jax/state.py`);
   3. `restores`: host -> device page copies that must land before the forward reads them;
   4. the forward itself, which writes the KV rows of `writes`;
   5. `spills`: device -> host page copies of pages sealed by this or earlier steps
@@ -20,6 +23,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+GROUPS = ("src", "res", "hot")
+"""The three per-request block tables, in `TableUpdate` field order (see
+`host_tier/scheduler/block_tables.py`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,14 +29,33 @@ def pow2_bucket(n: int, minimum: int = 1) -> int:
 
 def is_int(value: Any) -> bool:
     """A Python or NumPy integer that is not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (  # the common case first: an ABC check costs more
+        isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def check_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
     """`value` as an int; raises ValueError naming `owner.name` and the rule unless it is an
-    integer >= minimum (a bool is not an integer here)."""
-    if not is_int(value):
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value!r}")
+    integer >= minimum (a bool is not an integer here). The rule reads "a positive int" for
+    minimum 1, "an int >= minimum" otherwise."""
+    if not is_int(value) or value < minimum:
+        rule = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{owner}.{name} must be {rule}, got {value!r}")
     return int(value)
+
+
+def config_size(config: Any, name: str, *, owner: str, keyword: bool = False) -> Any:
+    """`config.<name>` of a duck-typed sizes object (e.g. `hisparse_jax.HiSparseConfig`).
+
+    Args:
+      owner: the reader, named in the error ("Coordinator.from_config").
+      keyword: the reader also takes `name=` as a keyword argument (the error says so).
+
+    Raises:
+      ValueError: the attribute is missing or None.
+    """
+    value = getattr(config, name, None)
+    if value is None:
+        hint = f" or pass {name}= to {owner}" if keyword else ""
+        raise ValueError(f"{owner}: config.{name} is None or missing; set it on the "
+                         f"{type(config).__name__}{hint}")
+    return value

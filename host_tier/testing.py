@@ -1,8 +1,9 @@
-"""Test support: reference copy functions and a simulated serving loop with ground truth.
+"""Test support: reference copy functions and a simulated serving loop with ground truth (jax).
 
 `mirror_rows_reference` / `restore_rows_reference` are jnp twins of the data-plane copy contract
-(see `host_tier.transfer`). They compute on a device copy of the pool, so they are for CPU tests
-and small pools only; the real ops live in `hisparse_jax`.
+(see `host_tier/worker/transfer.py`). They compute on a device copy of the pool, so they are for
+CPU tests and small pools only. The real ops (`hisparse_jax.ops.mirror_rows` / `restore_rows`)
+are passed in by the caller: this module does not import the data plane.
 
 `SimulatedServer` drives a `Coordinator` and a `TransferEngine` the way a serving loop does, with
 a toy model whose KV row for position t is a known function of the token prefix `tokens[:t+1]`.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import random
 from collections.abc import Hashable, Sequence
 
@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_tier.block_pool import NULL_BLOCK
-from host_tier.block_tables import DeviceBlockTables
-from host_tier.coordinator import Admitted, Coordinator, Wait
-from host_tier.host_pool import HostPool
 from host_tier.plan import StepPlan
-from host_tier.transfer import MirrorFn, RestoreFn, TransferEngine
+from host_tier.scheduler.block_pool import NULL_BLOCK
+from host_tier.scheduler.coordinator import Coordinator
+from host_tier.scheduler.records import Admitted, Wait
+from host_tier.sizes import cdiv, pow2_bucket
+from host_tier.worker.device_tables import DeviceBlockTables
+from host_tier.worker.host_pool import HostPool
+from host_tier.worker.transfer import MIN_ROWS_BUCKET, MirrorFn, RestoreFn, TransferEngine
 
 
 def _copy_rows(src: jax.Array, dst: jax.Array, src_rows: jax.Array,
@@ -80,17 +82,6 @@ def restore_rows_reference(host_pool: jax.Array, kv_cache: jax.Array, host_rows:
     return _restore_jit(kv_cache.sharding)(host_pool, kv_cache, host_rows, device_rows)
 
 
-def data_plane_mirror_fn() -> MirrorFn:
-    """`hisparse_jax.mirror_rows` (imported lazily: host_tier does not import the data plane)."""
-    return importlib.import_module("hisparse_jax.ops").mirror_rows
-
-
-def data_plane_restore_fn() -> RestoreFn:
-    """`hisparse_jax.ops.restore_rows`: one batch row of `gather_compact`, entries packed at the
-    front and padded with -1."""
-    return importlib.import_module("hisparse_jax.ops").restore_rows
-
-
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _write_rows(kv_cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     width = kv_cache.shape[-1]
@@ -100,9 +91,9 @@ def _write_rows(kv_cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.
 
 
 def _pad(values: np.ndarray, fill: int | float) -> np.ndarray:
+    """`values` padded along axis 0 with `fill`, like the engine's row lists."""
     n = values.shape[0]
-    size = max(64, 1 << max(n - 1, 0).bit_length())
-    out = np.full((size,) + values.shape[1:], fill, values.dtype)
+    out = np.full((pow2_bucket(n, MIN_ROWS_BUCKET),) + values.shape[1:], fill, values.dtype)
     out[:n] = values
     return out
 
@@ -120,6 +111,10 @@ class SimulatedServer:
     k1, k2 are 20-bit fingerprints of `tokens[:t+1]`: requests sharing a prefix write the same
     rows, as a real model would. The hot region is modelled by a slot -> host row map per state
     row, filled with real host -> device copies.
+
+    `mirror_fn` / `restore_fn` are the engine's copies (see `host_tier/worker/transfer.py`);
+    they default to the jnp references above. Pass the data plane's
+    (`hisparse_jax.ops.mirror_rows` / `restore_rows`) to test it end to end.
     """
 
     def __init__(self, *, block_size: int = 4, num_gpu_blocks: int = 24,
@@ -135,7 +130,7 @@ class SimulatedServer:
         self.max_model_len = max_model_len
         self.num_layers = num_layers
         self.row_width = row_width
-        hot_blocks = -(-hot_size // block_size)
+        hot_blocks = cdiv(hot_size, block_size)
         self.coord = Coordinator(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                  num_host_blocks=num_host_blocks, hot_blocks=hot_blocks,
                                  max_num_reqs=max_num_reqs, max_model_len=max_model_len)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from host_tier.block_pool import NULL_BLOCK, BlockPool, PoolExhaustedError
+from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool, PoolExhaustedError
 
 
 def test_null_block_is_never_handed_out_and_not_counted():

@@ -1,9 +1,10 @@
 """Coordinator: one scenario per upstream responsibility, with exact expectations."""
 
+import types
+
 import pytest
 
-from host_tier.block_pool import NULL_BLOCK
-from host_tier.coordinator import Admitted, CapacityError, Coordinator, Wait
+from host_tier.scheduler import NULL_BLOCK, Admitted, CapacityError, Coordinator, Wait
 
 B = 4
 
@@ -425,3 +426,66 @@ def test_offload_all_reads_every_sealed_page_but_the_tail_from_host():
     assert not coord.all_pages_resident("a")
     assert coord.stats["lost_pages"] == 4
     coord.check_invariants()
+
+
+def _sizes(**overrides):
+    sizes = dict(block_size=B, hot_blocks=2, max_num_reqs=3, max_model_len=40, max_pages=10,
+                 num_gpu_blocks=24, num_host_blocks=30, row_width=8, kv_dtype="float32")
+    sizes.update(overrides)
+    return types.SimpleNamespace(**sizes)
+
+
+def test_from_config_reads_every_size_from_the_sizes_object():
+    coord = Coordinator.from_config(_sizes(), offload_all=True)
+    assert (coord.block_size, coord.hot_blocks, coord.tables.max_num_reqs) == (B, 2, 3)
+    assert (coord.device_pool.num_blocks, coord.host_pool.num_blocks) == (24, 30)
+    assert (coord.max_model_len, coord.max_pages) == (40, 10) and coord.offload_all
+    # The keyword sizes of the old signature still win over the config.
+    coord = Coordinator.from_config(_sizes(max_model_len=None), num_gpu_blocks=16,
+                                    max_model_len=8)
+    assert (coord.device_pool.num_blocks, coord.max_model_len) == (16, 8)
+    with pytest.raises(ValueError, match=r"Coordinator.from_config: config.max_model_len is "
+                                         r"None or missing; .* or pass max_model_len="):
+        Coordinator.from_config(_sizes(max_model_len=None))
+    with pytest.raises(ValueError, match="from_config: config.hot_blocks is None or missing; "
+                                         "set it on the SimpleNamespace$"):
+        Coordinator.from_config(_sizes(hot_blocks=None))
+    with pytest.raises(ValueError, match="config.num_gpu_blocks is None or missing"):
+        Coordinator.from_config(types.SimpleNamespace(block_size=4))
+    with pytest.raises(TypeError, match="block_size comes from the config"):
+        Coordinator.from_config(_sizes(), block_size=8)
+    with pytest.raises(ValueError, match="Coordinator.max_num_reqs must be a positive int"):
+        Coordinator.from_config(_sizes(max_num_reqs=0))
+
+
+def _busy_coordinator():
+    """A coordinator with an unpinned page, an indexed device copy and a spill not enqueued."""
+    coord = make(num_gpu_blocks=32, max_model_len=64)
+    coord.admit("a", list(range(8)))
+    complete_all(coord, coord.build_plan())
+    coord.finish("a")  # its clean pages become indexed device copies
+    coord.admit("b", list(range(20)))
+    complete_all(coord, coord.build_plan())
+    coord.request_room(32)
+    decode(coord, "b", 2)
+    coord.admit("c", list(range(100, 106)))
+    coord.build_plan()  # c's page 0 spill is planned, not enqueued
+    assert coord.view("b").unpinned_pages and coord._prefix.copies
+    assert coord._planner.num_unenqueued == 1
+    coord.check_invariants()
+    return coord
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda c: c._prefix.copy_of_block.clear(), "device copy index disagrees"),
+    (lambda c: c._residency.readers.clear(), "is not registered as a reader"),
+    (lambda c: setattr(c._planner, "num_unenqueued", 0), "unenqueued spill count drifted"),
+    (lambda c: c._planner.spills.clear(), "has no matching spill"),
+    (lambda c: c._requests["b"].pinned_clean.clear(), "pinned_clean out of date"),
+    (lambda c: c._free_rows.append(c._requests["b"].state_row), "a used state row is also free"),
+])
+def test_check_invariants_sees_a_broken_part(corrupt, message):
+    coord = _busy_coordinator()
+    corrupt(coord)
+    with pytest.raises(AssertionError, match=message):
+        coord.check_invariants()

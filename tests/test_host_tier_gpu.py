@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from host_tier.host_pool import HOST_MEMORY_LIMIT_ENV, available_ram_bytes
+from host_tier.worker.host_pool import HOST_MEMORY_LIMIT_ENV, available_ram_bytes
 
 GIB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,27 +36,28 @@ def test_pool_above_64_gib_sets_the_limit_and_spills_into_it():
         import numpy as np
         from host_tier import HostPool, TransferEngine
         from host_tier.plan import PageSpill, StepPlan, TableRows, TableUpdate
-        from host_tier.testing import data_plane_mirror_fn, data_plane_restore_fn
         t0 = time.perf_counter()
         pool = HostPool(num_layers=1, block_size=64, row_width=576, dtype="bfloat16",
                         host_pool_gib={pool_gib})
         alloc_s = time.perf_counter() - t0
         import jax, jax.numpy as jnp
+        # The data plane comes after the pool, which must be made before JAX starts the GPU.
+        from hisparse_jax.ops import mirror_rows, restore_rows
         limit = os.environ["{HOST_MEMORY_LIMIT_ENV}"]
         kv = jnp.ones((8, 64, 576), jnp.bfloat16) * jnp.arange(8, dtype=jnp.bfloat16)[:, None, None]
         empty = TableRows(np.zeros(0, np.int32), np.zeros((0, 1), np.int32))
         last = pool.num_blocks - 1
         plan = StepPlan(0, (), TableUpdate(empty, empty, empty), (), (), (),
                         (PageSpill(1, 3, last), PageSpill(2, 5, 1)))
-        engine = TransferEngine(pool, mirror_fn=data_plane_mirror_fn())
+        engine = TransferEngine(pool, mirror_fn=mirror_rows)
         t0 = time.perf_counter()
         engine.after_forward(plan, [kv])
         report = engine.poll(wait=True)
         spill_s = time.perf_counter() - t0
         kind = pool.layer(0).sharding.memory_kind
         rows = jnp.array([last * 64, 64, 128], jnp.int32)  # first row of blocks last, 1, 2
-        small = data_plane_restore_fn()(pool.layer(0), jnp.zeros((1, 3, 576), jnp.bfloat16),
-                                        rows, jnp.arange(3, dtype=jnp.int32))
+        small = restore_rows(pool.layer(0), jnp.zeros((1, 3, 576), jnp.bfloat16),
+                             rows, jnp.arange(3, dtype=jnp.int32))
         got = [float(x) for x in np.asarray(small, np.float32).reshape(3, -1).max(axis=1)]
         arrays = pool.arrays
         pool.close()
@@ -94,16 +95,11 @@ def test_pool_above_the_limit_after_jax_started_is_a_clear_error():
 def test_soak_with_the_data_plane_ops_on_the_gpu():
     import random
 
-    from host_tier.testing import (
-        SimulatedServer,
-        data_plane_mirror_fn,
-        data_plane_restore_fn,
-        run_seeded_soak,
-    )
+    from hisparse_jax.ops import mirror_rows, restore_rows
+    from host_tier.testing import SimulatedServer, run_seeded_soak
 
     rng = random.Random(3)
-    sim = SimulatedServer(seed=3, mirror_fn=data_plane_mirror_fn(),
-                          restore_fn=data_plane_restore_fn(), row_width=8)
+    sim = SimulatedServer(seed=3, mirror_fn=mirror_rows, restore_fn=restore_rows, row_width=8)
     try:
         run_seeded_soak(sim, rng, 250)
         assert sim.coord.stats["lost_pages"] > 0 and sim.coord.stats["copy_on_write"] > 0

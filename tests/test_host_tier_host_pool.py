@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from host_tier import host_pool as hp
-from host_tier.host_pool import (
+from host_tier.worker import host_pool as hp
+from host_tier.worker.host_pool import (
     HOST_MEMORY_LIMIT_ENV,
     HostPool,
     check_available_ram,
@@ -168,3 +168,24 @@ def test_a_pool_array_written_by_a_jit_is_typed_as_host_memory():
         jax.jit(lambda p: seen.append(_compat.in_host_memory(p)) or p.shape[0])(out)
         assert seen == [True]
         pool.replace_layer(0, out)
+
+
+def test_from_config_reads_block_size_row_width_kv_dtype_and_num_host_blocks():
+    import types
+
+    config = types.SimpleNamespace(block_size=4, row_width=8, kv_dtype=np.dtype("float32"),
+                                   num_host_blocks=5, hot_blocks=None, max_model_len=None)
+    with HostPool.from_config(config, num_layers=2) as pool:
+        assert (pool.num_layers, pool.block_size, pool.row_width) == (2, 4, 8)
+        assert pool.num_blocks == 5 and pool.dtype == np.float32
+        assert pool.sharding.memory_kind == "pinned_host"
+    # A byte budget replaces num_host_blocks (which is then not read).
+    budget = 3 * 2 * 4 * 8 * 4 / GIB
+    with HostPool.from_config(types.SimpleNamespace(**{**vars(config), "num_host_blocks": None}),
+                              num_layers=2, host_pool_gib=budget) as pool:
+        assert pool.num_blocks == 3
+    with pytest.raises(ValueError, match="HostPool.from_config: config.num_host_blocks is None"):
+        HostPool.from_config(types.SimpleNamespace(**{**vars(config), "num_host_blocks": None}),
+                             num_layers=2)
+    with pytest.raises(ValueError, match="HostPool.from_config: config.row_width is None"):
+        HostPool.from_config(types.SimpleNamespace(block_size=4), num_layers=1)

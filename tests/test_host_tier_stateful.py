@@ -30,13 +30,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from host_tier.coordinator import Admitted
-from host_tier.testing import (
-    SimulatedServer,
-    data_plane_mirror_fn,
-    data_plane_restore_fn,
-    run_seeded_soak,
-)
+from hisparse_jax.ops import mirror_rows, restore_rows
+from host_tier.scheduler import Admitted
+from host_tier.testing import SimulatedServer, run_seeded_soak
 
 CONFIGS = [
     dict(block_size=4, num_gpu_blocks=24, num_host_blocks=40, hot_size=8, top_k=4,
@@ -53,8 +49,8 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @initialize(seed=st.integers(0, 2**32 - 1), config=st.sampled_from(CONFIGS))
     def setup(self, seed, config):
-        self.sim = SimulatedServer(seed=seed, mirror_fn=data_plane_mirror_fn(),
-                                   restore_fn=data_plane_restore_fn(), **config)
+        self.sim = SimulatedServer(seed=seed, mirror_fn=mirror_rows, restore_fn=restore_rows,
+                                   **config)
         rng = random.Random(seed)
         self.max_len = config["max_model_len"]
         self.families = [[rng.randrange(5) for _ in range(self.max_len)] for _ in range(3)]
@@ -139,8 +135,7 @@ def test_seeded_soak_reaches_every_residency_path():
     hit and miss, partial hits copy on write, device copies are adopted and capacity waits: the
     checks above are only meaningful if these paths run."""
     rng = random.Random(7)
-    sim = SimulatedServer(seed=7, mirror_fn=data_plane_mirror_fn(),
-                          restore_fn=data_plane_restore_fn())
+    sim = SimulatedServer(seed=7, mirror_fn=mirror_rows, restore_fn=restore_rows)
     try:
         run_seeded_soak(sim, rng, 300)
         stats = sim.coord.stats

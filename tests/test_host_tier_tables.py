@@ -1,9 +1,12 @@
 """Block tables: only changed rows travel, and the device copy equals the scheduler's."""
 
+import types
+
 import numpy as np
 import pytest
 
-from host_tier.block_tables import BlockTables, DeviceBlockTables
+from host_tier.scheduler.block_tables import BlockTables
+from host_tier.worker.device_tables import DeviceBlockTables
 
 
 def test_only_rows_that_changed_are_in_the_update():
@@ -67,3 +70,16 @@ def test_device_tables_reject_mismatched_updates():
     host.set_row("src", 0, [1])
     with pytest.raises(ValueError, match=r"src update values must have shape \(1, 4\)"):
         device.apply(host.take_update())
+
+
+def test_device_tables_from_config_read_max_num_reqs_max_pages_and_hot_blocks():
+    config = types.SimpleNamespace(max_num_reqs=3, max_pages=5, hot_blocks=2, block_size=4)
+    device = DeviceBlockTables.from_config(config)
+    assert device.src.shape == device.res.shape == (3, 5) and device.hot.shape == (3, 2)
+    assert device.src.dtype == np.int32
+    with pytest.raises(ValueError, match="DeviceBlockTables.from_config: config.max_pages is "
+                                         "None or missing"):
+        DeviceBlockTables.from_config(types.SimpleNamespace(max_num_reqs=3, hot_blocks=2))
+    with pytest.raises(ValueError, match="DeviceBlockTables.hot_blocks must be a positive int"):
+        DeviceBlockTables.from_config(types.SimpleNamespace(max_num_reqs=3, max_pages=5,
+                                                            hot_blocks=0))

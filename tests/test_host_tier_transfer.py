@@ -1,35 +1,22 @@
-"""TransferEngine: spills and restores move the right rows on every layer; reports; hot updates."""
-
-import dataclasses
+"""TransferEngine: spills and restores move the right rows on every layer; reports."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from host_tier.host_pool import HostPool
-from host_tier.plan import (
-    HotInvalidation,
-    PageRestore,
-    PageSpill,
-    StepPlan,
-    TableRows,
-    TableUpdate,
-)
-from host_tier.testing import (
-    data_plane_mirror_fn,
-    data_plane_restore_fn,
-    mirror_rows_reference,
-    restore_rows_reference,
-)
-from host_tier.transfer import TransferEngine, apply_hot_updates, invalidate_host_blocks
+from hisparse_jax.ops import mirror_rows, restore_rows
+from host_tier.plan import PageRestore, PageSpill, StepPlan, TableRows, TableUpdate
+from host_tier.testing import mirror_rows_reference, restore_rows_reference
+from host_tier.worker.host_pool import HostPool
+from host_tier.worker.transfer import TransferEngine
 
 B, W, LAYERS = 4, 3, 2
 
 # The engine's copies: the jnp references, and the data plane's ops when `hisparse_jax` has them.
 COPY_FNS = pytest.mark.parametrize("mirror_fn,restore_fn", [
     pytest.param(mirror_rows_reference, restore_rows_reference, id="reference"),
-    pytest.param(data_plane_mirror_fn(), data_plane_restore_fn(), id="data_plane"),
+    pytest.param(mirror_rows, restore_rows, id="data_plane"),
 ])
 
 
@@ -84,7 +71,7 @@ def test_spills_donate_the_pool_instead_of_copying_it(pool, mirror_fn, restore_f
 
 
 def test_completion_is_reported_only_once_the_pool_arrays_are_ready(pool, monkeypatch):
-    engine = TransferEngine(pool, mirror_fn=data_plane_mirror_fn())
+    engine = TransferEngine(pool, mirror_fn=mirror_rows)
     engine.after_forward(_plan(spills=[PageSpill(3, 1, 2)]), _caches())
     array_type = type(pool.layer(0))
     real_is_ready = array_type.is_ready
@@ -124,7 +111,7 @@ def test_restores_copy_the_leading_rows_before_the_forward(pool, mirror_fn, rest
 
 
 def test_engine_errors_are_clear(pool):
-    engine = TransferEngine(pool, mirror_fn=data_plane_mirror_fn())
+    engine = TransferEngine(pool, mirror_fn=mirror_rows)
     with pytest.raises(ValueError, match="built without restore_fn"):
         engine.before_forward(_plan(restores=[PageRestore(0, 1, 1, 1)]), _caches())
     with pytest.raises(ValueError, match=r"one cache per host pool layer \(2\), got 1"):
@@ -132,32 +119,3 @@ def test_engine_errors_are_clear(pool):
     with pytest.raises(ValueError, match="mirror_fn must be callable"):
         TransferEngine(pool, mirror_fn=None)
     assert engine.before_forward(_plan(), _caches())  # nothing to restore: no restore_fn needed
-
-
-def test_invalidate_host_blocks_drops_only_that_rows_entries():
-    slot_rows = jnp.array([[0, 5, 9, -1, 13],
-                           [4, 5, 8, 12, 2],
-                           [5, 6, 7, 8, 9]], jnp.int32)
-    # state row 0 drops blocks 1 and 3 (rows 4..7, 12..15); row 2 drops block 2; row 1 keeps all.
-    out = invalidate_host_blocks(slot_rows, jnp.array([0, 2, -1], jnp.int32),
-                                 jnp.array([[1, 3], [2, -1], [1, 2]], jnp.int32), block_size=4)
-    np.testing.assert_array_equal(np.array(out), [[0, -1, 9, -1, -1],
-                                                  [4, 5, 8, 12, 2],
-                                                  [5, 6, 7, -1, -1]])
-
-
-def test_apply_hot_updates_resets_then_invalidates_a_hot_state():
-    state_module = pytest.importorskip("hisparse_jax.state")
-
-    @jax.tree_util.register_dataclass
-    @dataclasses.dataclass(frozen=True)
-    class Hot:
-        slot_rows: jax.Array
-        lru: jax.Array
-
-    hot = Hot(slot_rows=jnp.array([[1, 9, 4], [8, 5, 11]], jnp.int32),
-              lru=jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int16))
-    plan = _plan(hot_resets=[0], invalidations=[HotInvalidation(1, (2,))])
-    out = apply_hot_updates(plan, hot, block_size=4, reset_rows_fn=state_module.reset_rows)
-    np.testing.assert_array_equal(np.array(out.slot_rows), [[-1, -1, -1], [-1, 5, -1]])
-    np.testing.assert_array_equal(np.array(out.lru), [[0, 1, 2], [1, 2, 0]])

@@ -1,8 +1,8 @@
 """`HostPool`: the pinned host KV pool, one `[num_blocks, B, W]` array per sparse layer.
 
-The arrays live in `pinned_host` memory (pageable memory is about 7x slower to copy to the device).
-Host block 0 is the null block: it is allocated like the others but never handed out by the host
-`BlockPool`.
+The arrays live in `pinned_host` memory (copies from pageable memory to the device are much
+slower). Host block 0 is the null block: it is allocated like the others but never handed out by
+the host `BlockPool` (`host_tier/scheduler/block_pool.py`).
 
 Rules the owner of the arrays must follow:
   - never keep a numpy view of a pool array (`np.asarray(arr)`): a live view blocks donation, so
@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from host_tier.sizes import check_int, config_size, is_int
 from pallas_kernels import _compat
 
 HOST_MEMORY_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -157,14 +158,11 @@ class HostPool:
     def __init__(self, *, num_layers: int, block_size: int, row_width: int, dtype: Any,
                  host_pool_gib: float | None = None, num_blocks: int | None = None,
                  device: jax.Device | None = None, memory_kind: str = "pinned_host") -> None:
-        for name, value in (("num_layers", num_layers), ("block_size", block_size),
-                            ("row_width", row_width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"HostPool.{name} must be a positive int, got {value!r}")
+        self.num_layers = check_int("HostPool", "num_layers", num_layers)
+        self.block_size = check_int("HostPool", "block_size", block_size)
+        self.row_width = check_int("HostPool", "row_width", row_width)
         self.dtype = np.dtype(dtype)
-        self.num_layers = num_layers
-        self.block_size = block_size
-        self.row_width = row_width
+        num_layers, block_size, row_width = self.num_layers, self.block_size, self.row_width
         self.block_bytes = num_layers * block_size * row_width * self.dtype.itemsize
         if (host_pool_gib is None) == (num_blocks is None):
             raise ValueError("HostPool needs exactly one of host_pool_gib and num_blocks")
@@ -178,11 +176,11 @@ class HostPool:
                     f"host_pool_gib={host_pool_gib} holds {num_blocks} blocks of "
                     f"{self.block_bytes} bytes (all layers); the pool needs at least 2 "
                     "(block 0 is the null block)")
-        elif not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+        elif not is_int(num_blocks) or num_blocks < 2:
             raise ValueError(
                 f"HostPool.num_blocks must be an int >= 2 (block 0 is the null block), "
                 f"got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks = int(num_blocks)
         self.nbytes = num_blocks * self.block_bytes
         what = "host_pool_gib" if host_pool_gib is not None else "num_blocks"
         check_available_ram(self.nbytes, what=what)
@@ -205,6 +203,29 @@ class HostPool:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_config(cls, config: Any, *, num_layers: int, device: jax.Device | None = None,
+                    host_pool_gib: float | None = None,
+                    memory_kind: str = "pinned_host") -> HostPool:
+        """A pool sized by a sizes object (e.g. `hisparse_jax.HiSparseConfig`).
+
+        Reads `config.block_size`, `config.row_width` and `config.kv_dtype`, and
+        `config.num_host_blocks` unless `host_pool_gib` is given (then the byte budget sets the
+        block count and `num_host_blocks` is not read).
+
+        Raises:
+          ValueError: a size it reads is None or missing, or invalid (as in the constructor).
+        """
+        owner = "HostPool.from_config"
+        sizes = {name: config_size(config, name, owner=owner)
+                 for name in ("block_size", "row_width", "kv_dtype")}
+        num_blocks = None if host_pool_gib is not None else config_size(
+            config, "num_host_blocks", owner=owner)
+        return cls(num_layers=num_layers, block_size=sizes["block_size"],
+                   row_width=sizes["row_width"], dtype=sizes["kv_dtype"],
+                   host_pool_gib=host_pool_gib, num_blocks=num_blocks, device=device,
+                   memory_kind=memory_kind)
 
     # ------------------------------------------------------------------ access
 
@@ -260,9 +281,8 @@ class HostPool:
         """Deletes every array now (idempotent). The pool is unusable afterwards.
 
         The memory goes back to XLA's pinned host allocator at once, where the next pinned
-        allocation reuses it (measured on the H200: re-allocating 16 GiB after `close` takes
-        1.2 s, against 9-10 s the first time, which is the cost of pinning fresh pages); the
-        allocator may keep it mapped, so the process RSS need not drop.
+        allocation reuses it (much cheaper than the first allocation, which pins fresh pages);
+        the allocator may keep it mapped, so the process RSS need not drop.
         """
         arrays, self._arrays = self._arrays, None
         for array in arrays or ():

@@ -4,13 +4,16 @@ The engine moves bytes, the coordinator decides: it never looks at residency sta
 turns plan entries into row lists and calls the data-plane copy functions it was given:
 
   - `mirror_fn(kv_cache, host_pool, device_rows, host_rows) -> host_pool`: host row
-    `host_rows[i]` := device row `device_rows[i]` (flat rows of `[blocks, B, W]`), skipping
-    negative or out-of-range entries; `host_pool` is donated and the result stays in
-    `pinned_host` memory (`hisparse_jax.mirror_rows`);
+    `host_rows[i]` := device row `device_rows[i]` (flat rows of `[blocks, B, W]`; the row lists
+    are int32[R], R a power of two >= 64, padded with -1), skipping negative or out-of-range
+    entries; `host_pool` is donated and the result stays in `pinned_host` memory (the data
+    plane's `hisparse_jax.ops.mirror_rows`);
   - `restore_fn(host_pool, kv_cache, host_rows, device_rows) -> kv_cache`: device row
-    `device_rows[i]` := host row `host_rows[i]`, same skipping rules, `kv_cache` donated (the
-    swap copy, e.g. `hisparse_jax` `gather_compact` with one batch row). Only partial prefix
-    hits need it.
+    `device_rows[i]` := host row `host_rows[i]`, same row lists and skipping rules, `kv_cache`
+    donated (the data plane's `hisparse_jax.ops.restore_rows`). Only partial prefix hits need it.
+
+The caller passes these functions in: this module never imports the data plane. For CPU tests,
+`host_tier/testing.py` has jnp references of both.
 
 Nothing here blocks the decode step: copies are dispatched asynchronously and their completion is
 observed later (`poll`). Spills into one layer's pool form a chain (each donates the previous
@@ -20,31 +23,29 @@ engine checks readiness before each new dispatch donates the array, and in `poll
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from host_tier.host_pool import HostPool
 from host_tier.plan import StepPlan, TransferReport
+from host_tier.sizes import pow2_bucket
+from host_tier.worker.host_pool import HostPool
+
+__all__ = ["MirrorFn", "RestoreFn", "TransferEngine"]
 
 MirrorFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 RestoreFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
-
-def _bucket(n: int) -> int:
-    """Row lists are padded (with -1) to a power of two, at least 64, to bound recompilations."""
-    return max(64, 1 << (n - 1).bit_length())
+MIN_ROWS_BUCKET = 64
+"""Row lists are padded (with -1) to a power of two, at least this, to bound recompilations."""
 
 
 def _page_rows(blocks: Sequence[int], num_rows: Sequence[int], block_size: int) -> np.ndarray:
-    """Flat rows `block * B + [0, n)` of each (block, n), padded with -1 to a bucket size."""
+    """int32 flat rows `block * B + [0, n)` of each (block, n), padded with -1 to a power of
+    two >= MIN_ROWS_BUCKET."""
     total = int(sum(num_rows))
-    out = np.full(_bucket(total), -1, np.int32)
+    out = np.full(pow2_bucket(total, MIN_ROWS_BUCKET), -1, np.int32)
     if total:
         out[:total] = np.concatenate([b * block_size + np.arange(n, dtype=np.int64)
                                       for b, n in zip(blocks, num_rows, strict=True)])
@@ -137,16 +138,6 @@ class TransferEngine:
         self._completed = []
         return report
 
-    def update_hot_state(self, plan: StepPlan, hot_state: Any, *,
-                         reset_rows_fn: Callable[[Any, jax.Array], Any] | None = None) -> Any:
-        """Applies the plan's hot resets and invalidations to a `hisparse_jax.state.HotState`.
-
-        Returns the new state (the old one's `slot_rows` may be donated). `reset_rows_fn`
-        defaults to `hisparse_jax.state.reset_rows`.
-        """
-        return apply_hot_updates(plan, hot_state, block_size=self.block_size,
-                                 reset_rows_fn=reset_rows_fn)
-
     def _observe_completions(self) -> None:
         if self._in_flight and all(a.is_ready() for a in self.host_pool.arrays):
             self._completed.extend(self._in_flight)
@@ -162,47 +153,3 @@ class TransferEngine:
 
     def _put(self, rows: np.ndarray) -> jax.Array:
         return jax.device_put(rows, self._index_sharding)
-
-
-@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnums=(0,))
-def invalidate_host_blocks(slot_rows: jax.Array, state_rows: jax.Array, host_blocks: jax.Array,
-                           *, block_size: int) -> jax.Array:
-    """Empties the hot slots of `state_rows` that hold a row of their `host_blocks`.
-
-    Args:
-      slot_rows: int32[S, H], host row held by each hot slot (-1 empty); donated.
-      state_rows: int32[R], distinct state rows; entries outside [0, S) are ignored.
-      host_blocks: int32[R, M], host blocks per state row, padded with -1.
-    Returns:
-      The new `slot_rows`.
-    """
-    num_rows = slot_rows.shape[0]
-    in_range = (state_rows >= 0) & (state_rows < num_rows)
-    rows = slot_rows[jnp.where(in_range, state_rows, 0)]
-    blocks = jnp.where(rows >= 0, rows // block_size, -2)  # -2 never matches padding
-    stale = (blocks[:, :, None] == host_blocks[:, None, :]).any(-1)
-    return slot_rows.at[jnp.where(in_range, state_rows, num_rows)].set(
-        jnp.where(stale, -1, rows), mode="drop")
-
-
-def apply_hot_updates(plan: StepPlan, hot_state: Any, *, block_size: int,
-                      reset_rows_fn: Callable[[Any, jax.Array], Any] | None = None) -> Any:
-    """Hot resets, then invalidations, of one plan applied to a state with a `slot_rows` field."""
-    if plan.hot_resets:
-        if reset_rows_fn is None:
-            from hisparse_jax.state import reset_rows as reset_rows_fn  # data plane, lazily
-        rows = np.full(_bucket(len(plan.hot_resets)), -1, np.int32)  # -1: ignored
-        rows[:len(plan.hot_resets)] = plan.hot_resets
-        hot_state = reset_rows_fn(hot_state, jnp.asarray(rows))
-    if plan.hot_invalidations:
-        n = len(plan.hot_invalidations)
-        width = max(len(inv.host_blocks) for inv in plan.hot_invalidations)
-        rows = np.full(_bucket(n), -1, np.int32)
-        blocks = np.full((_bucket(n), _bucket(width)), -1, np.int32)
-        for i, inv in enumerate(plan.hot_invalidations):
-            rows[i] = inv.state_row
-            blocks[i, :len(inv.host_blocks)] = inv.host_blocks
-        slot_rows = invalidate_host_blocks(hot_state.slot_rows, jnp.asarray(rows),
-                                           jnp.asarray(blocks), block_size=block_size)
-        hot_state = dataclasses.replace(hot_state, slot_rows=slot_rows)
-    return hot_state

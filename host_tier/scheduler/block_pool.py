@@ -1,7 +1,7 @@
 """`BlockPool`: a fixed set of block ids with reference counts and an eviction-ordered free queue.
 
 One pool manages the device blocks (resident pages and hot regions share it), another the host
-blocks of the pinned pool. Plain Python: the pool hands out ids; it never touches bytes.
+blocks of the pinned pool. Standard library only: the pool hands out ids; it never touches bytes.
 
 Invariants (checked by `check_invariants`):
   - Block 0 is the null block: never handed out, never reference counted, never free.
@@ -16,8 +16,9 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 import collections
-import numbers
 from collections.abc import Callable, Hashable, Iterable
+
+from host_tier.sizes import is_int
 
 NULL_BLOCK = 0
 
@@ -38,16 +39,16 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, name: str = "block pool") -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+        if not is_int(num_blocks) or num_blocks < 2:
             raise ValueError(
                 f"{name}: num_blocks must be an int >= 2 (block 0 is the null block), "
                 f"got {num_blocks!r}")
         self.name = name
-        self.num_blocks = num_blocks
-        self._ref = [0] * num_blocks
+        self.num_blocks = int(num_blocks)
+        self._ref = [0] * self.num_blocks
         # Insertion order is eviction order: head = next block handed out.
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
-            (b, None) for b in range(1, num_blocks))
+            (b, None) for b in range(1, self.num_blocks))
         self._watchers: dict[int, list[OnReuse]] = {}
         self._hash_of_block: dict[int, Hashable] = {}
         self._block_of_hash: dict[Hashable, int] = {}
@@ -90,14 +91,14 @@ class BlockPool:
           ValueError: `num` is negative.
           PoolExhaustedError: fewer than `num` blocks are free (nothing is handed out).
         """
-        if not isinstance(num, int) or isinstance(num, bool) or num < 0:
+        if not is_int(num) or num < 0:
             raise ValueError(f"{self.name}: allocate(num) needs an int >= 0, got {num!r}")
         if num > len(self._free):
             raise PoolExhaustedError(
                 f"{self.name}: cannot allocate {num} blocks, only {len(self._free)} are free")
         blocks = []
         fired: list[tuple[int, list[OnReuse]]] = []
-        for _ in range(num):
+        for _ in range(int(num)):
             block, _ = self._free.popitem(last=False)
             self._ref[block] = 1
             self._drop_hash(block)
@@ -239,8 +240,7 @@ class BlockPool:
             del self._block_of_hash[block_hash]
 
     def _check_id(self, block: int, what: str) -> int:
-        if not isinstance(block, numbers.Integral) or isinstance(block, bool) or not (
-                0 <= block < self.num_blocks):
+        if not is_int(block) or not 0 <= block < self.num_blocks:
             raise ValueError(
                 f"{self.name}: {what} must be a block id in [0, {self.num_blocks}), "
                 f"got {block!r}")

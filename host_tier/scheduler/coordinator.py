@@ -1,0 +1,558 @@
+"""`Coordinator`: decides where every page of every request lives (scheduler side, stdlib + numpy).
+
+A JAX port of the upstream HiSparse coordinator of vLLM and SGLang. GPU-resident pages are a
+write-back cache of the pinned host pool; the residency semantics are written down in
+`docs/semantics.md`. The coordinator composes four parts, each in its own module:
+
+  - `PrefixCache` (`prefix_cache.py`): page hashes, the published prefix of a prompt, the
+    copy-on-write decision for a partial hit, publication of durable pages, and the index of
+    device copies of published pages that later hits adopt;
+  - `SpillPlanner` (`spill_planner.py`): eager write-back of sealed pages within the budget,
+    spill and restore records, transfer ids, and what each worker report releases;
+  - `ResidencyPolicy` (`residency.py`): the watermark and `request_room`, hot-region requests
+    and grants, unpinning clean pages outside the active tail, the readers of unpinned blocks,
+    and losing a page when its block is reused (plus the offload_all baseline);
+  - `check_coordinator` (`invariants.py`): the invariants, checked from the parts.
+
+The coordinator itself owns the requests, the state rows, the block tables and the open pass
+(admission, scheduling, plan building, release). The parts share the two `BlockPool`s, one
+`PassLog` (what the open pass changed) and one stats counter; besides that they talk through two
+callbacks: the planner releases a spilled page's device block through the residency policy, and
+the residency policy's reuse watcher tells the prefix cache that a device copy is gone.
+
+Spills are transactions: the resident block stays pinned until the worker reports the copy
+enqueued, the host block until it reports it completed.
+
+Usage, once per model step::
+
+    coord.admit(rid, prompt)              # new requests: Admitted, or Wait(reason)
+    coord.schedule(rid, new_token_ids=t)  # running requests: None, or Wait(reason)
+    plan = coord.build_plan()             # StepPlan for the TransferEngine / model step
+    ...                                   # worker executes the plan
+    coord.on_transfers(report)            # whenever the worker reports (late, any order)
+    coord.finish(rid) / coord.preempt(rid) / coord.cancel(rid)
+
+Capacity limits are states: admission and scheduling return `Wait` with a reason and allocate
+nothing; only a request that can never fit raises `CapacityError`.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import heapq
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from host_tier.plan import HotInvalidation, StepPlan, StepWrite, TransferReport
+from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
+from host_tier.scheduler.block_tables import BlockTables
+from host_tier.scheduler.invariants import check_coordinator
+from host_tier.scheduler.prefix_cache import PrefixCache
+from host_tier.scheduler.records import (
+    ACTIVE_TAIL_PAGES,
+    Admitted,
+    CapacityError,
+    PassLog,
+    RequestRecord,
+    RequestView,
+    SpillRecord,
+    Wait,
+    check_tokens,
+)
+from host_tier.scheduler.residency import ResidencyPolicy
+from host_tier.scheduler.spill_planner import SpillPlanner
+from host_tier.sizes import cdiv, check_int, config_size, is_int
+
+__all__ = ["ACTIVE_TAIL_PAGES", "Admitted", "CapacityError", "Coordinator", "RequestView",
+           "Wait"]
+
+_SIZES = ("block_size", "num_gpu_blocks", "num_host_blocks", "hot_blocks", "max_num_reqs",
+          "max_model_len")
+_KEYWORD_SIZES = ("num_gpu_blocks", "num_host_blocks", "max_model_len")
+
+
+class Coordinator:
+    """Host-tier residency decisions for one index group (see module docstring).
+
+    Not thread-safe: call it from the scheduler thread only (worker reports included).
+
+    Args:
+      block_size: B, rows per page (host, resident and hot pages alike).
+      num_gpu_blocks: device block ids, null block included; resident pages and hot regions
+        share them.
+      num_host_blocks: host block ids, null block included (`HostPool.num_blocks`).
+      hot_blocks: device blocks of one hot region (`HiSparseConfig.hot_blocks`).
+      max_num_reqs: state rows: requests admitted at once.
+      max_model_len: longest request, in tokens.
+      enable_prefix_caching: publish durable host pages and serve prefix hits from them.
+      offload_all: the naive-offload policy (a benchmark baseline): every request asks for a
+        hot region from its first step and each page loses its device block as soon as its
+        host copy completes, so everything but the pinned tail is read from host.
+
+    Attributes:
+      max_pages: ceil(max_model_len / B), the width of the `src` and `res` tables.
+      device_pool, host_pool: the `BlockPool`s of device and host block ids.
+      tables: the scheduler's `BlockTables` (`[max_num_reqs, max_pages]` src/res,
+        `[max_num_reqs, hot_blocks]` hot).
+      stats: counters for tests and metrics ("spills", "published_pages", "adopted_pages",
+        "copy_on_write", "cached_tokens", "hot_grants", "unpinned_pages", "lost_pages",
+        "schedule_waits", "preemptions").
+    """
+
+    def __init__(self, *, block_size: int, num_gpu_blocks: int, num_host_blocks: int,
+                 hot_blocks: int, max_num_reqs: int, max_model_len: int,
+                 enable_prefix_caching: bool = True, offload_all: bool = False) -> None:
+        sizes = {name: check_int("Coordinator", name, value) for name, value in (
+            ("block_size", block_size), ("num_gpu_blocks", num_gpu_blocks),
+            ("num_host_blocks", num_host_blocks), ("hot_blocks", hot_blocks),
+            ("max_num_reqs", max_num_reqs), ("max_model_len", max_model_len))}
+        block_size, num_gpu_blocks = sizes["block_size"], sizes["num_gpu_blocks"]
+        num_host_blocks, hot_blocks = sizes["num_host_blocks"], sizes["hot_blocks"]
+        max_num_reqs, max_model_len = sizes["max_num_reqs"], sizes["max_model_len"]
+        min_device = hot_blocks + ACTIVE_TAIL_PAGES + 1
+        if num_gpu_blocks - 1 < min_device:
+            raise ValueError(
+                f"Coordinator.num_gpu_blocks={num_gpu_blocks} leaves {num_gpu_blocks - 1} usable "
+                f"blocks; one decoding request needs up to {min_device} (hot region of "
+                f"{hot_blocks} + {ACTIVE_TAIL_PAGES} pinned tail pages + 1 new page)")
+        if num_host_blocks < 2:
+            raise ValueError(f"Coordinator.num_host_blocks must be >= 2, got {num_host_blocks}")
+        self.block_size = block_size
+        self.hot_blocks = hot_blocks
+        self.max_model_len = max_model_len
+        self.max_pages = cdiv(max_model_len, block_size)
+
+        self.device_pool = BlockPool(num_gpu_blocks, name="device pool")
+        self.host_pool = BlockPool(num_host_blocks, name="host pool")
+        self.tables = BlockTables(max_num_reqs, self.max_pages, hot_blocks)
+        # Counters, for tests and metrics (shared with the parts).
+        self.stats: collections.Counter[str] = collections.Counter()
+
+        self._log = PassLog()
+        self._prefix = PrefixCache(self.host_pool, self.device_pool, block_size=block_size,
+                                   enabled=enable_prefix_caching, stats=self.stats)
+        self._residency = ResidencyPolicy(self.device_pool, hot_blocks=hot_blocks,
+                                          offload_all=offload_all, log=self._log,
+                                          stats=self.stats,
+                                          forget_copy=self._prefix.forget_block)
+        self._planner = SpillPlanner(self.host_pool, self.device_pool, block_size=block_size,
+                                     max_spill_pages=max(1, max_model_len // block_size),
+                                     log=self._log, stats=self.stats,
+                                     release_device_page=self._residency.release_device_page)
+
+        self._requests: dict[Hashable, RequestRecord] = {}
+        self._free_rows = list(range(max_num_reqs))
+        heapq.heapify(self._free_rows)
+        self._detached: set[RequestRecord] = set()
+        self._step = 0
+        self._pass: list[RequestRecord] = []  # requests scheduled in the open pass, in order
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> Coordinator:
+        """A coordinator sized by a sizes object (e.g. `hisparse_jax.HiSparseConfig`).
+
+        Reads `config.block_size`, `config.hot_blocks` and `config.max_num_reqs`, and
+        `config.num_gpu_blocks`, `config.num_host_blocks` and `config.max_model_len` unless they
+        are passed as keyword arguments (which win). Other keyword arguments
+        (`enable_prefix_caching`, `offload_all`) go to the constructor.
+
+        Raises:
+          ValueError: a size it reads is None or missing, or invalid (as in the constructor).
+        """
+        owner = "Coordinator.from_config"
+        for name in _SIZES:
+            if name in _KEYWORD_SIZES:
+                if kwargs.get(name) is None:
+                    kwargs[name] = config_size(config, name, owner=owner, keyword=True)
+            elif name in kwargs:
+                raise TypeError(f"{owner}: {name} comes from the config, not a keyword argument")
+            else:
+                kwargs[name] = config_size(config, name, owner=owner)
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._requests
+
+    @property
+    def request_ids(self) -> tuple[Hashable, ...]:
+        return tuple(self._requests)
+
+    @property
+    def watermark(self) -> int:
+        """Free device blocks below which requests ask for hot regions:
+        `max(hot_blocks, num_gpu_blocks // 10)`."""
+        return self._residency.watermark
+
+    @watermark.setter
+    def watermark(self, value: int) -> None:
+        self._residency.watermark = value
+
+    @property
+    def max_spill_pages(self) -> int:
+        """Spills planned and not yet enqueued, at most: `max(1, max_model_len // B)`."""
+        return self._planner.max_spill_pages
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._prefix.enabled
+
+    @property
+    def offload_all(self) -> bool:
+        return self._residency.offload_all
+
+    @property
+    def num_in_flight_transfers(self) -> int:
+        """Spills and restores the worker has not finished reporting."""
+        return self._planner.num_in_flight
+
+    def has_pending_transfers(self) -> bool:
+        return self._planner.has_pending()
+
+    def request_room(self, num_blocks: int) -> None:
+        """Asks the running requests to make room for `num_blocks` more device blocks (e.g. a
+        waiting admission: a long prompt needs its pages free at once). Until it is cancelled
+        (`request_room(0)`), the residency policy treats the pool as under pressure while
+        fewer than `watermark + num_blocks` blocks are free, so requests move to hot regions
+        and unpin their clean pages, whose blocks count as free."""
+        self._residency.request_room(num_blocks)
+
+    def all_pages_resident(self, request_id: Hashable) -> bool:
+        """Whether every computed page of a running request has its resident block (no read
+        from host needed: the decode fast path). Cheaper than `view`."""
+        return self._running(request_id, "all_pages_resident").num_nonresident == 0
+
+    def view(self, request_id: Hashable) -> RequestView:
+        return self._running(request_id, "view").view()
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, request_id: Hashable, prompt_token_ids: Sequence[int], *,
+              num_new_tokens: int | None = None) -> Admitted | Wait:
+        """Admits a request and schedules its first chunk for the next plan.
+
+        Looks up the longest published prefix of the prompt (at most `len - 1` tokens, so the
+        last token is recomputed), allocates a state row, host blocks for every prompt page that
+        is not a hit, resident pages for the first chunk (`num_new_tokens`, default: the whole
+        uncached prompt) and, on a prefix hit, a hot region.
+
+        Returns:
+          `Admitted`, or `Wait` (nothing allocated) when state rows, host or device blocks are
+          short right now.
+
+        Raises:
+          ValueError: `request_id` is already admitted, or a token/num_new_tokens is invalid.
+          CapacityError: the prompt or the first chunk can never fit in the pools.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"admit: request_id {request_id!r} is already admitted")
+        tokens = check_tokens(prompt_token_ids, "prompt_token_ids")
+        num_tokens = len(tokens)
+        if num_tokens == 0:
+            raise ValueError("admit: prompt_token_ids must not be empty")
+        if num_tokens > self.max_model_len:
+            raise CapacityError(
+                f"admit: prompt_token_ids has {num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}")
+        B = self.block_size
+        prompt_pages = cdiv(num_tokens, B)
+        if prompt_pages > self.host_pool.num_usable:
+            raise CapacityError(
+                f"admit: the prompt needs {prompt_pages} host blocks, the host pool has only "
+                f"{self.host_pool.num_usable}; raise host_pool_gib")
+
+        hit = self._prefix.match(tokens)
+        num_cached, full_hit = hit.num_cached, hit.full_pages
+        remaining = num_tokens - num_cached
+        chunk = remaining if num_new_tokens is None else num_new_tokens
+        if not is_int(chunk) or not 1 <= chunk <= remaining:
+            raise ValueError(
+                f"admit: num_new_tokens must be in [1, {remaining}] (uncached prompt tokens), "
+                f"got {num_new_tokens!r}")
+        chunk = int(chunk)
+        new_res_pages = cdiv(num_cached + chunk, B) - full_hit
+        need_hot = full_hit > 0  # a prefix hit reads host pages
+        device_need = new_res_pages + (self.hot_blocks if need_hot else 0)
+        if device_need > self.device_pool.num_usable:
+            raise CapacityError(
+                f"admit: the first chunk needs {device_need} device blocks, the device pool has "
+                f"only {self.device_pool.num_usable}; admit it with a smaller num_new_tokens")
+        host_need = prompt_pages - full_hit
+
+        if not self._free_rows:
+            return Wait("state_rows", 1, 0,
+                        f"all {self.tables.max_num_reqs} state rows (max_num_reqs) are in use; "
+                        "a request must finish or be preempted first")
+        held = hit.held_blocks
+        host_available = self.host_pool.num_free - sum(
+            1 for b in set(held) if self.host_pool.is_free(b))
+        if host_need > host_available:
+            return Wait("host_blocks", host_need, host_available,
+                        self._host_wait_reason(host_need, host_available, "the prompt"))
+        if device_need > self.device_pool.num_free:
+            return Wait("device_blocks", device_need, self.device_pool.num_free,
+                        self._device_wait_reason(device_need, "the first chunk"))
+
+        state_row = heapq.heappop(self._free_rows)
+        self.host_pool.touch(held)
+        new_host = self.host_pool.allocate(host_need)
+        hot = self.device_pool.allocate(self.hot_blocks) if need_hot else []
+        res = self.device_pool.allocate(new_res_pages)
+        r = RequestRecord(request_id=request_id, state_row=state_row,
+                          token_ids=array.array("q", tokens), num_computed=num_cached,
+                          host_blocks=hit.blocks[:full_hit] + new_host,
+                          res_blocks=[NULL_BLOCK] * full_hit + res, hot=hot,
+                          valid=set(range(full_hit)), ready_prefix=full_hit,
+                          num_published=full_hit, spill_cursor=full_hit,
+                          page_hashes=hit.hashes[:full_hit], scheduled=chunk)
+        self._requests[request_id] = r
+        self._pass.append(r)
+        self._log.touched.add(r)
+        self._log.hot_resets.add(state_row)
+        self._log.invalidate(r, new_host)
+        if hit.cow_source:
+            # Copy-on-write of the shared page: restore its rows into the private resident page
+            # (the restore holds the reference taken above).
+            self._planner.plan_restore(r, hit.cow_source, r.res_blocks[full_hit], num_cached % B)
+        # Adopt readable device copies of the hit pages (after this admission's allocations).
+        self._prefix.adopt(r, hit.hashes[:full_hit])
+        r.num_nonresident = r.res_blocks.count(NULL_BLOCK)
+        self.stats["cached_tokens"] += num_cached
+        return Admitted(request_id, state_row, num_cached, chunk)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
+                 new_token_ids: Sequence[int] = ()) -> Wait | None:
+        """Schedules the next `num_tokens` tokens of a running request in this pass.
+
+        `new_token_ids` are appended first (e.g. the token sampled by the previous step); by
+        default every known token not computed yet is scheduled. Grants a pending hot region,
+        then allocates the device pages the tokens need. (Pages past the prompt get their host
+        block when they seal; while the host pool is full a sealed page stays pinned.)
+
+        Returns:
+          None when scheduled; `Wait` (nothing changed) when the device pool is short.
+
+        Raises:
+          ValueError: unknown request, already scheduled in this pass, invalid tokens, or more
+            than max_model_len tokens.
+        """
+        r = self._requests.get(request_id)
+        if (r is not None and not r.scheduled and num_tokens is None
+                and len(new_token_ids) == 1 and r.num_computed == len(r.token_ids)
+                and r.num_computed < self.max_model_len
+                and r.num_computed < len(r.res_blocks) * self.block_size
+                and r.num_computed < len(r.host_blocks) * self.block_size
+                and (r.hot or not r.hot_required)):
+            # The decode step of a request with room in its pages: one token, nothing to
+            # allocate, no table row changes (the general path below does the same, slower).
+            token = new_token_ids[0]
+            if type(token) is int and -(1 << 63) <= token < (1 << 63):
+                r.token_ids.append(token)
+                r.scheduled = 1
+                self._pass.append(r)
+                return None
+        r = self._running(request_id, "schedule")
+        if r.scheduled:
+            raise ValueError(f"schedule: request {request_id!r} is already scheduled in this pass")
+        extra = check_tokens(new_token_ids, "new_token_ids")
+        known = len(r.token_ids) + len(extra)
+        if known > self.max_model_len:
+            raise ValueError(
+                f"schedule: request {request_id!r} would hold {known} tokens, more than "
+                f"max_model_len={self.max_model_len}")
+        remaining = known - r.num_computed
+        n = remaining if num_tokens is None else num_tokens
+        if not is_int(n) or not 1 <= n <= remaining:
+            raise ValueError(
+                f"schedule: num_tokens must be in [1, {remaining}] (known tokens not computed "
+                f"yet), got {num_tokens!r}")
+        n = int(n)
+        end = r.num_computed + n
+        new_pages = max(cdiv(end, self.block_size) - len(r.res_blocks), 0)
+        grant_hot = r.hot_required and not r.hot
+        need = new_pages + (self.hot_blocks if grant_hot else 0)
+        if need > self.device_pool.num_usable:
+            raise ValueError(
+                f"schedule: {n} tokens need {need} device blocks, the device pool has only "
+                f"{self.device_pool.num_usable}; schedule a smaller chunk")
+        if need > self.device_pool.num_free:
+            self.stats["schedule_waits"] += 1
+            return Wait("device_blocks", need, self.device_pool.num_free,
+                        self._device_wait_reason(need, f"request {request_id!r}"))
+
+        r.token_ids.extend(extra)
+        if grant_hot:
+            self._residency.grant_hot_region(r)
+        if new_pages:
+            r.res_blocks.extend(self.device_pool.allocate(new_pages))
+        new_host_pages = cdiv(end, self.block_size) - len(r.host_blocks)
+        if new_host_pages > 0:
+            # Host blocks of pages past the prompt are bound when the page seals (its spill is
+            # planned): sealed pages get free host blocks first, the tail does not need one.
+            r.host_blocks.extend([NULL_BLOCK] * new_host_pages)
+        r.scheduled = n
+        self._pass.append(r)
+        if grant_hot or new_pages or new_host_pages > 0:
+            self._log.touched.add(r)  # its table rows changed
+        return None
+
+    def build_plan(self) -> StepPlan:
+        """Closes the pass: the requests scheduled in it advance, and the plan is returned.
+
+        For each scheduled request (in scheduling order): its tokens count as computed (the
+        plan's forward writes them), sealed pages without a host copy are spilled within the
+        budget, and the residency policy runs (ask for a hot region below the watermark, unpin
+        clean pages once it has one).
+        """
+        writes = []
+        for r in self._pass:
+            writes.append(StepWrite(r.request_id, r.state_row, r.num_computed, r.scheduled))
+            r.num_computed += r.scheduled
+            r.scheduled = 0
+        budget = self._planner.budget
+        plan_spills, update_residency = self._planner.plan_spills, self._residency.update
+        for r in self._pass:
+            budget -= plan_spills(r, budget)
+            update_residency(r)
+        log, tables = self._log, self.tables
+        for r in log.touched:
+            tables.set_row("src", r.state_row, r.host_blocks)
+            tables.set_row("res", r.state_row, r.res_blocks)
+            tables.set_row("hot", r.state_row, r.hot)
+        restores, spills = self._planner.take_pass()
+        plan = StepPlan(
+            step=self._step,
+            writes=tuple(writes),
+            tables=tables.take_update(),
+            hot_resets=tuple(sorted(log.hot_resets)),
+            hot_invalidations=tuple(HotInvalidation(row, tuple(sorted(set(blocks))))
+                                    for row, blocks in sorted(log.invalidations.items())),
+            restores=restores,
+            spills=spills,
+        )
+        self._step += 1
+        self._pass = []
+        log.clear()
+        return plan
+
+    # ------------------------------------------------------------------ worker reports
+
+    def on_transfers(self, report: TransferReport | None = None, *,
+                     enqueued: Iterable[int] = (), completed: Iterable[int] = ()) -> None:
+        """Applies worker reports: transfers enqueued and completed, in any order and any delay.
+
+        An enqueued spill releases its resident block; a completed spill makes its page clean
+        (unpinned at once if the request can read from host), releases its host block and may
+        publish the request's durable prefix. A completion reported before its enqueue notice
+        counts as both. Ids are checked before anything changes.
+
+        Raises:
+          ValueError: an unknown id, an id reported twice, or a restore reported completed.
+        """
+        enqueued_ids = list(report.enqueued if report else ()) + list(enqueued)
+        completed_ids = list(report.completed if report else ()) + list(completed)
+        planner = self._planner
+        planner.check_report(enqueued_ids, completed_ids)
+        for tid in enqueued_ids:
+            planner.enqueued(tid)
+        for tid in completed_ids:
+            planner.complete(tid, self._page_clean)
+
+    def _page_clean(self, spill: SpillRecord) -> None:
+        """A spill completed: its page is clean (and may be unpinned), and the durable prefix of
+        its request is published; a finished request's last completion publishes its prefix and
+        releases its host blocks."""
+        r, page = spill.request, spill.page
+        del r.pending[page]
+        r.valid.add(page)
+        if self._requests.get(r.request_id) is r:
+            assert r.res_blocks[page] == spill.device_block, "a dirty page lost its block"
+            self._residency.page_clean(r, page)
+            self._prefix.advance_and_publish(r, record_copies=True)
+        elif r.detached_pages >= 0 and not r.pending:
+            self._prefix.advance_and_publish(r, record_copies=False)
+            self.host_pool.free(reversed(r.host_blocks[:r.detached_pages]))
+            r.detached_pages = -1
+            self._detached.discard(r)
+
+    # ------------------------------------------------------------------ leaving
+
+    def finish(self, request_id: Hashable) -> None:
+        """The request ended normally. Its durable prefix stays published; pages whose copies
+        are still in flight are published when they complete. Its clean resident pages stay
+        readable device copies until reused."""
+        self._release(self._running(request_id, "finish"), keep_prefix=True)
+
+    def cancel(self, request_id: Hashable) -> None:
+        """The request was aborted. Like `finish`: every page a completed step wrote and whose
+        copy completes is sound, so it may outlive the request."""
+        self._release(self._running(request_id, "cancel"), keep_prefix=True)
+
+    def preempt(self, request_id: Hashable) -> None:
+        """The request is evicted to be recomputed later. Pages already published stay; pending
+        publications are dropped (copies in flight complete, then their blocks are freed)."""
+        self._release(self._running(request_id, "preempt"), keep_prefix=False)
+        self.stats["preemptions"] += 1
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when a residency invariant is broken (used by the tests; the
+        list is in `host_tier/scheduler/invariants.py`)."""
+        check_coordinator(requests=self._requests, detached=self._detached,
+                          free_rows=self._free_rows, hot_blocks=self.hot_blocks,
+                          device_pool=self.device_pool, host_pool=self.host_pool,
+                          planner=self._planner, residency=self._residency,
+                          prefix_cache=self._prefix)
+
+    # ------------------------------------------------------------------ internals
+
+    def _running(self, request_id: Hashable, what: str) -> RequestRecord:
+        r = self._requests.get(request_id)
+        if r is None:
+            raise ValueError(f"{what}: request_id {request_id!r} is not admitted")
+        return r
+
+    def _release(self, r: RequestRecord, *, keep_prefix: bool) -> None:
+        if r.scheduled:  # scheduled in this pass, but its step will not run
+            self._pass.remove(r)
+            r.scheduled = 0
+            self._planner.drop_pass_restores(r)
+        del self._requests[r.request_id]
+        self._log.forget(r)
+        if keep_prefix and not r.pending:
+            self._prefix.advance_and_publish(r, record_copies=True)
+        self._residency.release_pages(r)
+        num_full = r.num_computed // self.block_size
+        if keep_prefix and self.enable_prefix_caching and r.pending:
+            # Publish the durable prefix once the copies in flight complete.
+            r.detached_pages = num_full
+            self._detached.add(r)
+            self.host_pool.free(reversed(r.host_blocks[num_full:]))
+        else:
+            self.host_pool.free(reversed(r.host_blocks))
+        heapq.heappush(self._free_rows, r.state_row)
+        self.tables.clear_row(r.state_row)
+
+    def _host_wait_reason(self, needed: int, available: int, what: str) -> str:
+        in_flight = self._planner.num_in_flight
+        text = (f"host pool full: {what} needs {needed} free host blocks, {available} are "
+                "available")
+        if in_flight or self._detached:
+            return text + (f"; {in_flight} transfers in flight and {len(self._detached)} "
+                           "finished requests awaiting their last copies hold host blocks that "
+                           "are released as the worker reports completions")
+        return text + "; finish or preempt running requests to release host blocks"
+
+    def _device_wait_reason(self, needed: int, what: str) -> str:
+        text = (f"device pool full: {what} needs {needed} free device blocks, "
+                f"{self.device_pool.num_free} are free")
+        unenqueued = self._planner.num_unenqueued
+        if unenqueued:
+            return text + (f"; {unenqueued} pages are pinned until the worker enqueues their "
+                           "spills")
+        return text + "; pages unpin once their host copies complete, or preempt a request"

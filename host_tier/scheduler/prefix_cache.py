@@ -1,0 +1,160 @@
+"""`PrefixCache`: prefix reuse of durable host pages (standard library only).
+
+A full page is named by a chained content hash (`page_hash`: it depends on every token of the
+prefix up to the page's end). The cache
+
+  - finds a prompt's published prefix in the host `BlockPool` (`match`), and decides the
+    copy-on-write: when the reusable prefix ends inside a page (the last prompt token is always
+    recomputed), that page's shared host block is never written; its rows are restored into the
+    request's private resident page instead (`PrefixHit.cow_source`);
+  - publishes a request's pages once their host copies completed and every earlier page is
+    durable too (`advance_and_publish`): the host pool's hash index names them from then on;
+  - indexes device blocks holding a copy of a published page (`copies`), for as long as the
+    block is not reused (`forget_block`), and lets later prefix hits adopt them (`adopt`).
+
+Invariants (checked in `host_tier/scheduler/invariants.py`): `copies` and `copy_of_block` are
+inverse maps; an indexed device copy is never a dirty page or a hot region.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
+from host_tier.scheduler.records import RequestRecord
+
+
+def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Chained content hash of one full page (16 bytes): depends on every token of the prefix.
+
+    Args:
+      parent: the hash of the previous page, None for page 0.
+      tokens: the page's B token ids (int64).
+    """
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array.array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """The published prefix of one prompt (all empty / 0 when prefix caching is off).
+
+    Attributes:
+      blocks: published host blocks of the prompt's leading full pages, in page order.
+      hashes: their page hashes.
+      num_cached: tokens reused, `min(len(blocks) * B, num_tokens - 1)`.
+      full_pages: pages reused as they are, `num_cached // B`.
+      cow_source: the shared host block whose rows `[0, num_cached % B)` are restored into the
+        request's private page `full_pages` (copy-on-write), or NULL_BLOCK.
+    """
+
+    blocks: list[int]
+    hashes: list[bytes]
+    num_cached: int
+    full_pages: int
+    cow_source: int
+
+    @property
+    def held_blocks(self) -> list[int]:
+        """Host blocks the request references from admission on (the copy-on-write source is
+        referenced by its restore until the worker enqueues it)."""
+        return self.blocks[:self.full_pages] + ([self.cow_source] if self.cow_source else [])
+
+
+class PrefixCache:
+    """Page hashing, prefix lookup, publication and the index of device copies.
+
+    Args:
+      host_pool: its hash index is the published-page index.
+      device_pool: device copies are adopted from it (`touch`).
+      block_size: B, tokens per page.
+      enabled: whether pages are published and prompts looked up (`enable_prefix_caching`).
+      stats: counters shared with the coordinator ("published_pages", "adopted_pages").
+    """
+
+    def __init__(self, host_pool: BlockPool, device_pool: BlockPool, *, block_size: int,
+                 enabled: bool, stats: collections.Counter[str]) -> None:
+        self.host_pool = host_pool
+        self.device_pool = device_pool
+        self.block_size = block_size
+        self.enabled = enabled
+        self.stats = stats
+        # Published host page hash -> a device block holding the same page, until reused.
+        self.copies: dict[bytes, int] = {}
+        self.copy_of_block: dict[int, bytes] = {}
+
+    def match(self, tokens: Sequence[int]) -> PrefixHit:
+        """The longest published prefix of `tokens` (a non-empty prompt), chain by chain."""
+        B = self.block_size
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        if self.enabled:
+            parent = None
+            for p in range(len(tokens) // B):
+                h = page_hash(parent, tokens[p * B:(p + 1) * B])
+                block = self.host_pool.lookup(h)
+                if block is None:
+                    break
+                blocks.append(block)
+                hashes.append(h)
+                parent = h
+        num_cached = min(len(blocks) * B, len(tokens) - 1)
+        full_pages = num_cached // B
+        cow_source = blocks[full_pages] if num_cached % B else NULL_BLOCK
+        return PrefixHit(blocks, hashes, num_cached, full_pages, cow_source)
+
+    def adopt(self, r: RequestRecord, hashes: Sequence[bytes]) -> None:
+        """Gives `r` the readable device copies of its hit pages `0 .. len(hashes) - 1`: each
+        becomes a pinned clean resident page (one more reference on the device block)."""
+        for p, h in enumerate(hashes):
+            block = self.copies.get(h)
+            if block is not None:
+                self.device_pool.touch([block])
+                r.res_blocks[p] = block
+                r.pinned_clean.add(p)
+                self.stats["adopted_pages"] += 1
+
+    def page_hash(self, r: RequestRecord, page: int) -> bytes:
+        """The hash of `r`'s full page `page` (cached in `r.page_hashes`)."""
+        B = self.block_size
+        while len(r.page_hashes) <= page:
+            p = len(r.page_hashes)
+            parent = r.page_hashes[-1] if r.page_hashes else None
+            r.page_hashes.append(page_hash(parent, r.token_ids[p * B:(p + 1) * B]))
+        return r.page_hashes[page]
+
+    def advance_and_publish(self, r: RequestRecord, *, record_copies: bool) -> None:
+        """Extends `r.ready_prefix` over its leading valid pages and publishes the full pages of
+        that prefix (the first published copy of a hash wins). With `record_copies`, each
+        published page's resident block is indexed as a device copy."""
+        while r.ready_prefix in r.valid:
+            r.ready_prefix += 1
+        if not self.enabled:
+            return
+        limit = min(r.ready_prefix, r.num_computed // self.block_size)
+        for p in range(r.num_published, limit):
+            h = self.page_hash(r, p)
+            self.host_pool.cache(r.host_blocks[p], h)
+            block = r.res_blocks[p] if record_copies and p < len(r.res_blocks) else NULL_BLOCK
+            if block != NULL_BLOCK:
+                old = self.copies.get(h)
+                if old is not None and old != block:
+                    self.copy_of_block.pop(old, None)
+                stale = self.copy_of_block.get(block)
+                if stale is not None and stale != h:
+                    self.copies.pop(stale, None)
+                self.copies[h] = block
+                self.copy_of_block[block] = h
+            self.stats["published_pages"] += 1
+        r.num_published = max(r.num_published, limit)
+
+    def forget_block(self, block: int) -> None:
+        """Device block `block` is handed out again: it no longer holds a published page."""
+        h = self.copy_of_block.pop(block, None)
+        if h is not None and self.copies.get(h) == block:
+            del self.copies[h]

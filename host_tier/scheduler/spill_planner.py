@@ -1,0 +1,188 @@
+"""`SpillPlanner`: the transfers of the host tier and what their reports release (stdlib only).
+
+Every sealed page is written back to host eagerly (a *spill*), at most `max_spill_pages`
+(= `max(1, max_model_len // B)`) spills planned and not yet enqueued by the worker at a time.
+A page past the prompt gets its host block when it seals (`plan_spills` binds it); while the
+host pool is full it stays pinned and is retried on a later pass (`unbound`). A partial prefix
+hit restores the shared page's rows into the request's private resident page (`plan_restore`).
+
+Transfers are transactions, each with an id from one counter (plan order):
+
+  - a spill holds its device block until the worker reports it enqueued (`enqueued`), its host
+    block until it reports it completed (`complete`); a completion that arrives before its
+    enqueue notice counts as both, and the late notice is then only acknowledged;
+  - a restore holds its shared host block until the worker reports it enqueued.
+
+Invariants (checked in `host_tier/scheduler/invariants.py`): `num_unenqueued` counts the spills
+not enqueued; each pending page of a request names its spill; a spill never targets a published
+host block.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable, Sequence
+
+from host_tier.plan import PageRestore, PageSpill
+from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
+from host_tier.scheduler.records import PassLog, RequestRecord, RestoreRecord, SpillRecord
+
+
+class SpillPlanner:
+    """Spill and restore records, transfer ids, and the plan's `spills` / `restores`.
+
+    Args:
+      host_pool, device_pool: the pools the transfers hold blocks of.
+      block_size: B, tokens per page.
+      max_spill_pages: spills planned and not yet enqueued, at most.
+      log: the open pass's changes (a bound host block changes the `src` row and is
+        invalidated in the request's hot state).
+      stats: counters shared with the coordinator ("spills", "copy_on_write").
+      release_device_page: releases a resident block (the residency policy's, which watches for
+        its reuse); called when a spill is enqueued.
+    """
+
+    def __init__(self, host_pool: BlockPool, device_pool: BlockPool, *, block_size: int,
+                 max_spill_pages: int, log: PassLog, stats: collections.Counter[str],
+                 release_device_page: Callable[[int], None]) -> None:
+        self.host_pool = host_pool
+        self.device_pool = device_pool
+        self.block_size = block_size
+        self.max_spill_pages = max_spill_pages
+        self.log = log
+        self.stats = stats
+        self.release_device_page = release_device_page
+        self.spills: dict[int, SpillRecord] = {}
+        self.restores: dict[int, RestoreRecord] = {}
+        self.num_unenqueued = 0
+        self.awaiting_enqueue_notice: set[int] = set()  # completed before their enqueue notice
+        self._next_transfer_id = itertools.count()
+        # The open pass's plan entries.
+        self.pass_restores: list[PageRestore] = []
+        self.pass_spills: list[PageSpill] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_in_flight(self) -> int:
+        """Spills and restores the worker has not finished reporting."""
+        return len(self.spills) + len(self.restores)
+
+    def has_pending(self) -> bool:
+        return bool(self.spills or self.restores or self.awaiting_enqueue_notice)
+
+    @property
+    def budget(self) -> int:
+        """Spills that may still be planned in this pass."""
+        return self.max_spill_pages - self.num_unenqueued
+
+    # ------------------------------------------------------------------ planning
+
+    def plan_spills(self, r: RequestRecord, budget: int) -> int:
+        """Eager write-back of `r`'s sealed pages that have no host copy, at most `budget`;
+        returns the number of spills planned."""
+        sealed = r.num_computed // self.block_size
+        if not r.unbound and r.spill_cursor >= sealed:
+            return 0  # nothing sealed since the last pass
+        planned = 0
+        for p in itertools.chain(sorted(r.unbound), range(r.spill_cursor, sealed)):
+            if planned >= budget:
+                break
+            if p >= r.spill_cursor:
+                r.spill_cursor = p + 1
+            if p in r.valid or p in r.pending:
+                continue
+            device_block = r.res_blocks[p]
+            assert device_block != NULL_BLOCK, f"dirty page {p} has no resident block"
+            host_block = r.host_blocks[p]
+            if host_block == NULL_BLOCK:
+                if self.host_pool.num_free == 0:
+                    r.unbound.add(p)  # stays pinned; retried on a later pass
+                    continue
+                host_block = self.host_pool.allocate(1)[0]
+                r.host_blocks[p] = host_block
+                self.log.invalidate(r, [host_block])
+                self.log.touched.add(r)
+            r.unbound.discard(p)
+            assert self.host_pool.block_hash(host_block) is None, (
+                f"spill into published host block {host_block}")
+            self.host_pool.touch([host_block])
+            self.device_pool.touch([device_block])
+            transfer_id = next(self._next_transfer_id)
+            self.spills[transfer_id] = SpillRecord(transfer_id, r, p, device_block, host_block)
+            self.num_unenqueued += 1
+            r.pending[p] = transfer_id
+            self.pass_spills.append(PageSpill(transfer_id, device_block, host_block))
+            planned += 1
+        self.stats["spills"] += planned
+        return planned
+
+    def plan_restore(self, r: RequestRecord, host_block: int, device_block: int,
+                     num_rows: int) -> None:
+        """Copy-on-write: rows `[0, num_rows)` of the shared `host_block` into `r`'s private
+        `device_block`. The caller's reference on `host_block` passes to the restore."""
+        transfer_id = next(self._next_transfer_id)
+        self.restores[transfer_id] = RestoreRecord(transfer_id, r, host_block)
+        self.pass_restores.append(PageRestore(transfer_id, host_block, device_block, num_rows))
+        self.stats["copy_on_write"] += 1
+
+    def drop_pass_restores(self, r: RequestRecord) -> None:
+        """`r` leaves in the pass that admitted it: its restore never runs."""
+        for restore in [x for x in self.pass_restores
+                        if self.restores[x.transfer_id].request is r]:
+            self.pass_restores.remove(restore)
+            self.host_pool.free([self.restores.pop(restore.transfer_id).host_block])
+
+    def take_pass(self) -> tuple[tuple[PageRestore, ...], tuple[PageSpill, ...]]:
+        """The open pass's restores and spills, in plan order; starts the next pass."""
+        restores, spills = tuple(self.pass_restores), tuple(self.pass_spills)
+        self.pass_restores = []
+        self.pass_spills = []
+        return restores, spills
+
+    # ------------------------------------------------------------------ worker reports
+
+    def check_report(self, enqueued: Sequence[int], completed: Sequence[int]) -> None:
+        """Raises ValueError, before anything changes, for an id reported twice in one list, an
+        enqueued id that is unknown or already enqueued, or a completed id that is not a
+        pending spill."""
+        for ids, what in ((enqueued, "enqueued"), (completed, "completed")):
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"on_transfers: {what} names a transfer id twice: {ids}")
+        for tid in enqueued:
+            spill = self.spills.get(tid)
+            if not (tid in self.restores or tid in self.awaiting_enqueue_notice
+                    or (spill is not None and not spill.enqueued)):
+                raise ValueError(
+                    f"on_transfers: enqueued transfer id {tid} is unknown or already enqueued")
+        for tid in completed:
+            if tid not in self.spills:
+                raise ValueError(
+                    f"on_transfers: completed transfer id {tid} is not a pending spill "
+                    "(unknown, a restore, or already completed)")
+
+    def enqueued(self, tid: int) -> None:
+        """The worker enqueued transfer `tid` (checked): a restore releases its shared host
+        block, a spill its device block."""
+        if tid in self.awaiting_enqueue_notice:
+            self.awaiting_enqueue_notice.remove(tid)
+        elif tid in self.restores:
+            self.host_pool.free([self.restores.pop(tid).host_block])
+        else:
+            self._spill_enqueued(self.spills[tid])
+
+    def complete(self, tid: int, page_clean: Callable[[SpillRecord], None]) -> None:
+        """The worker completed spill `tid` (checked): `page_clean(spill)` records the durable
+        page, then the spill's host block is released."""
+        spill = self.spills.pop(tid)
+        if not spill.enqueued:
+            self._spill_enqueued(spill)
+            self.awaiting_enqueue_notice.add(tid)
+        page_clean(spill)
+        self.host_pool.free([spill.host_block])
+
+    def _spill_enqueued(self, spill: SpillRecord) -> None:
+        spill.enqueued = True
+        self.num_unenqueued -= 1
+        self.release_device_page(spill.device_block)

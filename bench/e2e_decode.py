@@ -52,6 +52,7 @@ from hisparse_jax import nn  # noqa: E402
 from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
+from host_tier.sizes import cdiv  # noqa: E402
 
 MODES = ("all-resident", "naive-offload", "hisparse")
 
@@ -69,15 +70,11 @@ class CompileCounter:
             self.count += 1
 
 
-def _pages(n: int, block_size: int) -> int:
-    return -(-n // block_size)
-
-
 def plan_sizes(args: argparse.Namespace, cfg: nn.ModelConfig) -> dict[str, int]:
     B = args.block_size
     max_model_len = args.context + args.gen_budget
-    pages = _pages(max_model_len, B)
-    hot_blocks = _pages(args.hot_size or 2 * cfg.top_k, B)
+    pages = cdiv(max_model_len, B)
+    hot_blocks = cdiv(args.hot_size or 2 * cfg.top_k, B)
     c_max = max(args.concurrency)
     # Default budget: HiSparse's C_max hot regions plus pinned tails, one prompt being admitted
     # and a tenth for the watermark; all-resident gets (budget - 1) // pages requests of it.
@@ -221,7 +218,7 @@ def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, 
                               **ramp(engines[mode], args)}
             windows = {mode: Window(e) for mode, e in engines.items()}
             rounds = args.rounds if len(windows) > 1 else 1
-            block = -(-args.measure_steps // rounds)
+            block = cdiv(args.measure_steps, rounds)
             for r in range(rounds):
                 for mode in (list(windows) if r % 2 == 0 else list(windows)[::-1]):
                     windows[mode].measure(block, counter)

@@ -24,6 +24,7 @@ import numpy as np
 
 from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
+from host_tier.sizes import cdiv, round_up
 
 
 class ProgressBar:
@@ -64,14 +65,14 @@ def run(args: argparse.Namespace, *, all_resident: bool, model=None) -> Engine:
     cfg = nn.get_config(args.config, **({"top_k": args.top_k} if args.top_k else {}))
     model = model or nn.init_model(cfg, seed=args.seed)
     B = args.block_size
-    pages = -(-args.max_model_len // B)
-    hot_size = args.hot_size or -(-2 * cfg.top_k // B) * B
-    hot_blocks = -(-hot_size // B)
+    pages = cdiv(args.max_model_len, B)
+    hot_size = args.hot_size or round_up(2 * cfg.top_k, B)
+    hot_blocks = cdiv(hot_size, B)
     seats = min(args.seats, args.requests)
     if args.gpu_blocks:
         gpu_blocks = args.gpu_blocks
     else:  # a fraction of what the contexts need, never below what one request needs
-        ctx_pages = -(-(args.prompt_len + args.gen_len) // B)
+        ctx_pages = cdiv(args.prompt_len + args.gen_len, B)
         # (a lone request must fit its pages and its hot region, or it stalls forever)
         gpu_blocks = max(int(args.gpu_pool_fraction * seats * ctx_pages),
                          ctx_pages + hot_blocks + 3) + 1
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace, *, all_resident: bool, model=None) -> Engine:
         length = int(rng.integers(max(1, args.prompt_len * 3 // 4), args.prompt_len + 1))
         engine.add_request(rng.integers(0, cfg.vocab_size, length).tolist(),
                            max_new_tokens=args.gen_len, temperature=args.temperature)
-    mode = "all-resident" if all_resident else "hisparse"
+    mode = engine.mode
     print(f"[{mode}] {cfg.name} on {jax.default_backend()} ({jax.devices()[0].device_kind}): "
           f"{args.requests} requests on {seats} seats, prompts <= {args.prompt_len}, "
           f"{args.gen_len} new tokens, top_k {cfg.top_k}, block {B}, hot {hot_size}, device "

@@ -18,6 +18,7 @@ import numpy as np
 
 import hisparse_jax as hs
 from host_tier import memory_sharding
+from host_tier.sizes import cdiv
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
                             row_width=args.row_width, kv_dtype="bfloat16")
     rng = np.random.default_rng(args.seed)
     n, b = args.requests, args.block_size
-    pages = -(-args.context // b)
+    pages = cdiv(args.context, b)
     host_rows = (n * pages + 1) * b                        # block 0 is the null block
     dev = jax.devices()[0]
     pinned = memory_sharding(dev, "pinned_host")

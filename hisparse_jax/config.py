@@ -1,4 +1,9 @@
-"""`HiSparseConfig`: the static sizes of a HiSparse index group."""
+"""`HiSparseConfig`: the one source of the static sizes of HiSparse.
+
+The engine derives one `HiSparseConfig` (from its `EngineConfig` and the model config) and
+hands it to every part that needs a size: the hot state, the KV-cache handle, the host-tier
+coordinator, the host pool and the device block tables.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from host_tier.sizes import cdiv
+
 MAX_HOT_SIZE = 32768  # LRU slot ids are int16
 
 
 @dataclasses.dataclass(frozen=True)
 class HiSparseConfig:
-    """Static sizes shared by the hot state and the ops of one index group.
+    """Static sizes shared by the hot state, the ops and the host tier.
 
     Attributes:
       top_k: K, selected token positions per query row.
@@ -24,6 +31,12 @@ class HiSparseConfig:
       max_num_reqs: S, rows of the hot state (one per concurrently served request).
       row_width: W, elements of one KV row (576 for DeepSeek-V3.2 MLA: 512 latent + 64 rope).
       kv_dtype: element type of KV rows.
+      max_model_len: longest request (prompt + generated), in tokens; None = unknown.
+      num_gpu_blocks: device blocks of each layer's KV cache, the null block 0 included
+        (resident pages and hot regions share them); None = unknown.
+      num_host_blocks: blocks of each layer's pinned host pool, the null block 0 included;
+        None = unknown (e.g. no host tier).
+    The three optional sizes are not validated here (the parts that use them check them).
     """
 
     top_k: int
@@ -32,6 +45,9 @@ class HiSparseConfig:
     max_num_reqs: int
     row_width: int = 576
     kv_dtype: Any = "bfloat16"
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None
+    num_host_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("top_k", "hot_size", "block_size", "max_num_reqs", "row_width"):
@@ -64,8 +80,28 @@ class HiSparseConfig:
     @property
     def hot_blocks(self) -> int:
         """Pages in one request's hot region: ceil(hot_size / block_size)."""
-        return -(-self.hot_size // self.block_size)
+        return cdiv(self.hot_size, self.block_size)
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of the longest request: ceil(max_model_len / block_size) (the width of the
+        `src` and `res` block tables). Raises ValueError while max_model_len is unknown."""
+        return cdiv(self.require("max_model_len"), self.block_size)
+
+    @property
+    def host_rows(self) -> int:
+        """Rows of one layer's host pool, num_host_blocks * block_size; 0 without a host pool
+        (num_host_blocks None)."""
+        return 0 if self.num_host_blocks is None else self.num_host_blocks * self.block_size
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one KV row: row_width * itemsize."""
         return self.row_width * self.kv_dtype.itemsize
+
+    def require(self, name: str) -> int:
+        """The value of an optional size; ValueError while it is unknown (None)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"HiSparseConfig.{name} is unknown (None); set it")
+        return value

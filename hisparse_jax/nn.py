@@ -8,23 +8,23 @@
   over one flat device row per selected token.
 * `Transformer`: embedding, `num_layers` blocks of (indexer +) sparse MLA + SwiGLU MLP,
   RMSNorm, RoPE. Layers are grouped into index groups of `index_group_size` layers: the
-  group's first layer owns the indexer (and the group's hot state); the others reuse its
-  top-k (DeepSeek-V3.2 itself: groups of one layer).
+  group's first layer owns the indexer and looks the group's rows up in the KV-cache handle
+  (one hot state per group); the others reuse its rows (DeepSeek-V3.2: groups of one layer).
 
-Caches are data: `DecodeCache` (per-layer device KV caches `[num_blocks, B, W]`, per-group
-index-key caches `[S, max_model_len, index_dim]`, per-group `HotState`) is passed into
+Caches are data: `DecodeCache` (the KV-cache handle `hisparse_jax.cache.HiSparseKVCache`
+and the per-group index-key caches `[S, max_model_len, index_dim]`) is passed into
 `Transformer.decode` / `Transformer.prefill` and returned, never kept in module variables,
 so a step jits with the caches donated (`nnx.split` / `nnx.merge` at the jit boundary, see
-`hisparse_jax.engine`).
+`hisparse_jax.engine.runner`).
 
-The HiSparse decode path of one layer: write the new token's row into its resident tail
-page, drop stale hot copies of its host row (`invalidate_written_rows`), resolve the
-group's top-k once (`resolve_residency`), copy the misses of every layer of the group from
-the pinned host pool (`gather_compact_group`), attend (`sparse_mla_decode`). The write-back
-of rows to the host pool is done page by page by the host tier's spills
-(`host_tier.TransferEngine`), once a page is sealed. With `use_host_tier=False` the top-k
-positions are mapped straight through the resident block table (the engine's fast path when
-every context page is resident, and the all-resident baseline).
+One decode path for every residency: each layer writes its new row through the handle
+(`HiSparseKVCache.write`), the leader layer of each index group picks the top-k (its
+indexer, or `DecodeBatch.topk` from an external source) and asks the handle for the rows to
+attend (`HiSparseKVCache.lookup`: through the resident table, or through the hot region with
+misses copied from the pinned host pool, as the handle's residency type says), and every
+layer of the group attends over those rows (`sparse_mla_decode`). The write-back of rows to
+the host pool is done page by page by the host tier's spills (`host_tier.TransferEngine`),
+once a page is sealed.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hisparse_jax import ops
-from hisparse_jax.attention import sparse_mla_decode
-from hisparse_jax.index_group import gather_compact_group
-from hisparse_jax.state import HotState, empty_like
+from hisparse_jax.cache import CacheBatch, HiSparseKVCache
+from hisparse_jax.ops import sparse_mla_decode
 
 # --------------------------------------------------------------------------- configs
 
@@ -128,36 +126,32 @@ class DecodeCache:
     """Device-side cache state of the model (a pytree; donate it at the jit boundary).
 
     Attributes:
-      kv: per layer, the latent KV cache [num_blocks, B, W] (kv_dtype): resident pages and hot
-        regions of every request, one flat row index per token.
+      kv: the KV-cache handle: per-layer latent KV caches [num_blocks, B, W] (kv_dtype) and
+        per-group hot states, with the residency that serves lookups.
       index_keys: per index group, the indexer key cache [S, max_model_len, index_dim]
-        (kv_dtype), indexed by state row and position.
-      hot: per index group, the `HotState` of the hot regions (unused when all-resident).
+        (kv_dtype), indexed by state row and position ([1, 1, index_dim] placeholders when the
+        top-k comes from an external source).
     """
 
-    kv: tuple[jax.Array, ...]
+    kv: HiSparseKVCache
     index_keys: tuple[jax.Array, ...]
-    hot: tuple[HotState, ...]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
-    """One decode step's inputs for N batch rows (seats); state_rows[n] = -1 is padding.
+    """One decode step's inputs for N batch rows (seats).
 
-    tokens, positions, state_rows: int32[N]. Tables (int32, indexed by STATE row, gathered by
-    `state_rows` inside the step): src [S, P] host blocks, res [S, P] resident device blocks,
-    hot [S, Hb] hot-region device blocks (0 = null). topk: optional int32[G, N, top_k]
-    positions per index group from an external source (`hisparse_jax.topk_sources`); when
-    given, the indexer (and its key cache) is skipped.
+    Attributes:
+      tokens: int32[N], the input token of each batch row (anything on padding rows).
+      kv: the handle's per-step inputs (state rows, -1 padding; positions written this step;
+        the rows' block tables; the pinned host pools).
+      topk: optional int32[G, N, top_k] positions per index group from an external source
+        (`hisparse_jax.topk_sources`); when given, the indexer (and its key cache) is skipped.
     """
 
     tokens: jax.Array
-    positions: jax.Array
-    state_rows: jax.Array
-    src: jax.Array
-    res: jax.Array
-    hot: jax.Array
+    kv: CacheBatch
     topk: jax.Array | None = None
 
 
@@ -325,23 +319,6 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
 
-def _flat_rows(block_table: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
-    """Flat device/host row of each position through a block table: table [N, P] and
-    positions int32[N, ...]; -1 where the position is negative, past the table or null."""
-    pages = positions // block_size
-    ok = (positions >= 0) & (pages < block_table.shape[1])
-    idx = jnp.clip(pages, 0, block_table.shape[1] - 1).reshape(positions.shape[0], -1)
-    blocks = jnp.take_along_axis(block_table, idx, axis=1).reshape(positions.shape)
-    return jnp.where(ok & (blocks > 0), blocks * block_size + positions % block_size, -1)
-
-
-def write_cache_rows(cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """cache[row] := values for rows >= 0 (flat rows of [num_blocks, B, W])."""
-    flat = cache.reshape(-1, cache.shape[-1])
-    idx = jnp.where(rows >= 0, rows, flat.shape[0])
-    return flat.at[idx].set(values.astype(cache.dtype), mode="drop").reshape(cache.shape)
-
-
 class Transformer(nnx.Module):
     """Decoder with sparse MLA layers; `decode` and `prefill` take and return the caches."""
 
@@ -362,37 +339,33 @@ class Transformer(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         return self.lm_head(self.final_norm(x)).astype(jnp.float32)
 
-    def decode(self, cache: DecodeCache, batch: DecodeBatch, host_pools: tuple[jax.Array, ...],
-               *, block_size: int, use_host_tier: bool, host_rows: int = 0,
-               attention_backend: str | None = None, ops_backend: str | None = None,
-               collect_attention: bool = False, naive_offload: bool = False
+    def decode(self, cache: DecodeCache, batch: DecodeBatch, *,
+               attention_backend: str | None = None, collect_attention: bool = False
                ) -> tuple[jax.Array, DecodeCache, dict]:
         """One decode token per batch row. Returns (logits float32[N, V], new cache, aux).
 
-        `naive_offload` (with `use_host_tier`): the hot state is emptied before every resolve,
-        so every selected row that is not resident is copied from host again each step (the
-        naive-offload baseline: no reuse across steps).
+        Each layer writes its row through `cache.kv.write`; the leader of each index group
+        selects the top-k (causal: entries past a row's position are dropped; padding rows
+        select nothing) and calls `cache.kv.lookup`, whose rows every layer of the group
+        attends over. The residency (`cache.kv.residency`) decides how rows are found.
 
         aux: "hits" / "misses" int32[num_groups] (hot-region lookups summed over rows; zeros
-        without the host tier) and, with `collect_attention`, "attention" [L, N, h, kv_lora]
-        (each layer's latent attention output).
+        when the residency reads no host rows) and, with `collect_attention`, "attention"
+        [L, N, h, kv_lora] (each layer's latent attention output).
         """
         c = self.cfg
-        live = batch.state_rows >= 0
-        srow = jnp.where(live, batch.state_rows, 0)
-        src, res, hot_tbl = batch.src[srow], batch.res[srow], batch.hot[srow]
-        pos = batch.positions
-        write_rows = jnp.where(live, _flat_rows(res, pos, block_size), -1)
-        num_rows = c.top_k
-        kv, index_keys, hot = list(cache.kv), list(cache.index_keys), list(cache.hot)
+        kvb = batch.kv
+        live, pos = kvb.live, kvb.positions
+        srow = jnp.where(live, kvb.state_rows, 0)
+        kv, index_keys = cache.kv, list(cache.index_keys)
         hits, misses, attn = [], [], []
         x = self.embed(batch.tokens)
-        attention_rows = jnp.full((x.shape[0], num_rows), -1, jnp.int32)
+        lookup = None
         for layer, block in enumerate(self.blocks):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             h = block.attn_norm(x)
             q_lora, q, row = block.attn.project(h, pos)
-            kv[layer] = write_cache_rows(kv[layer], write_rows, row)
+            kv = kv.write(layer, row, kvb)
             if leader:
                 if batch.topk is not None:  # an external source: causal entries only
                     topk = batch.topk[g]
@@ -400,35 +373,16 @@ class Transformer(nnx.Module):
                 else:
                     idx = block.indexer
                     keys = index_keys[g]
-                    keys = keys.at[jnp.where(live, batch.state_rows, keys.shape[0]), pos].set(
+                    keys = keys.at[jnp.where(live, kvb.state_rows, keys.shape[0]), pos].set(
                         idx.keys(h, pos), mode="drop")
                     index_keys[g] = keys
                     iq, iw = idx.queries(q_lora, h, pos)
                     topk = idx.select(iq, iw, keys[srow], pos)
                 topk = jnp.where(live[:, None], topk, -1)
-                if use_host_tier:
-                    group = slice(layer, layer + c.index_group_size)
-                    if naive_offload:
-                        hot[g] = empty_like(hot[g])
-                    else:
-                        written_host = jnp.where(live, _flat_rows(src, pos, block_size), -1)
-                        hot[g] = ops.invalidate_written_rows(hot[g], batch.state_rows,
-                                                             written_host, backend=ops_backend)
-                    resolution, hot[g] = ops.resolve_residency(
-                        hot[g], topk, state_rows=batch.state_rows, hot_block_table=hot_tbl,
-                        source_block_table=src, resident_block_table=res,
-                        block_size=block_size, host_rows=host_rows, backend=ops_backend)
-                    kv[group] = gather_compact_group(
-                        host_pools[group], kv[group], resolution.swap_src, resolution.swap_dst,
-                        resolution.swap_counts, backend=ops_backend)
-                    attention_rows = resolution.attention_rows
-                    hits.append(jnp.sum(resolution.num_hits))
-                    misses.append(jnp.sum(resolution.swap_counts))
-                else:
-                    attention_rows = _flat_rows(res, topk, block_size)
-                    hits.append(jnp.int32(0))
-                    misses.append(jnp.int32(0))
-            out, latent = block.attn.attend(q, kv[layer], attention_rows,
+                kv, lookup = kv.lookup(g, topk, kvb)
+                hits.append(jnp.sum(lookup.hits))
+                misses.append(jnp.sum(lookup.misses))
+            out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
                                             backend=attention_backend)
             if collect_attention:
                 attn.append(latent)
@@ -436,7 +390,7 @@ class Transformer(nnx.Module):
         aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses)}
         if collect_attention:
             aux["attention"] = jnp.stack(attn)
-        return self.logits(x), DecodeCache(tuple(kv), tuple(index_keys), tuple(hot)), aux
+        return self.logits(x), DecodeCache(kv, tuple(index_keys)), aux
 
     def prefill(self, cache: DecodeCache, tokens: jax.Array, length: jax.Array,
                 state_row: jax.Array, write_rows: jax.Array, *,
@@ -444,14 +398,15 @@ class Transformer(nnx.Module):
                 ) -> tuple[jax.Array, DecodeCache, dict]:
         """Prefill one request: tokens int32[T] (padded; the first `length` are real), written
         to flat device rows write_rows int32[T] (-1: not written) and to the index-key cache
-        row `state_row`. Every query row attends to its own top-k (sparse, the decode rule),
-        over the rows just computed. Returns (logits float32[V] of the last real token, new
+        row `state_row` (through `cache.kv.write_rows`: prefill rows always go to resident
+        pages). Every query row attends to its own top-k (sparse, the decode rule), over the
+        rows just computed. Returns (logits float32[V] of the last real token, new
         cache, aux with "attention" [L, h, kv_lora] of the last token when collected).
         """
         c = self.cfg
         T = tokens.shape[0]
         pos = jnp.arange(T, dtype=jnp.int32)
-        kv, index_keys = list(cache.kv), list(cache.index_keys)
+        kv, index_keys = cache.kv, list(cache.index_keys)
         x = self.embed(tokens)
         attn = []
         topk = None
@@ -459,7 +414,7 @@ class Transformer(nnx.Module):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             h = block.attn_norm(x)
             q_lora, q, row = block.attn.project(h, pos)
-            kv[layer] = write_cache_rows(kv[layer], write_rows, row)
+            kv = kv.write_rows(layer, write_rows, row)
             if leader:
                 idx = block.indexer
                 keys = idx.keys(h, pos)
@@ -473,8 +428,7 @@ class Transformer(nnx.Module):
             x = self._finish(x, block, out)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, keepdims=False)
         aux = {"attention": jnp.stack(attn)} if collect_attention else {}
-        return self.logits(last[None])[0], DecodeCache(tuple(kv), tuple(index_keys),
-                                                       cache.hot), aux
+        return self.logits(last[None])[0], DecodeCache(kv, tuple(index_keys)), aux
 
 
 def init_model(cfg: ModelConfig | str, *, seed: int = 0) -> Transformer:

@@ -83,8 +83,11 @@ def test_decode_step_compiles_once(all_resident, pressured):
     assert dict(all_resident[0].trace_counts) == {"prefill": 1, "decode_fast": 1}
     # ... and each compiled once: every argument is committed to the device up front, so
     # none arrives with another placement later (which would compile again, not retrace).
-    for fn in (engine._decode_fast, engine._decode_hot, engine._prefill,
-               all_resident[0]._decode_fast):
+    jitted = engine.runner.jitted
+    assert set(jitted) == {"prefill", "decode_fast", "decode_hot"}
+    assert set(all_resident[0].runner.jitted) == {"prefill", "decode_fast"}
+    for fn in (jitted["decode_fast"], jitted["decode_hot"], jitted["prefill"],
+               all_resident[0].runner.jitted["decode_fast"]):
         assert jit_cache_size(fn) == 1
 
 

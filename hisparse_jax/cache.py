@@ -1,0 +1,267 @@
+"""`HiSparseKVCache`: the KV-cache handle of HiSparse (the counterpart of vLLM's
+HiSparseCacheHandle), passed into a model's step and returned by it, never module state.
+
+A model layer needs two things from its KV cache in a decode step: store the row of the
+token it computes (`write`) and find the device rows of the positions it attends to
+(`lookup`). Where those rows live is the handle's business, decided by its residency type
+(static: each type traces its own step):
+
+  * `AllResident`: every row a step reads is in a resident page; positions map straight
+    through the resident block table (no host tier; also the engine's fast path when every
+    scheduled request's pages are resident).
+  * `HiSparse`: resident pages plus a per-request hot region, an LRU over host rows. A lookup
+    drops stale hot copies of the rows this step wrote (`invalidate_written_rows`), resolves
+    the top-k once per index group (`resolve_residency`) and copies the misses from the
+    pinned host pools into every layer of the group (`gather_compact_group`).
+  * `NaiveOffload`: the baseline without reuse: the hot state is emptied before every
+    resolve, so every selected row that is not resident is copied from host again.
+
+The residency semantics (which row a position reads, when a hot slot is valid) are in
+`docs/semantics.md`.
+
+Data and shapes (N batch rows, S state rows, P pages per request, Hb hot pages, K top-k,
+B rows per page, W row width):
+
+  * `HiSparseKVCache.caches[l]`: [num_blocks, B, W] (kv_dtype), layer l's device KV cache:
+    resident pages and hot regions of every request; flat row r is `[r // B, r % B]`; block 0
+    is the null block (never read through a table). Donated with the cache at a jit boundary.
+  * `HiSparseKVCache.hot[g]`: the `HotState` (int32/int16[S, H]) of index group g.
+  * `CacheBatch`: per-step inputs, read only: state_rows int32[N] (-1: padding row),
+    positions int32[N] (the position each batch row writes this step), the batch rows'
+    block-table rows src / res int32[N, P] and hot int32[N, Hb] (0: null block), and the
+    per-layer pinned host pools [host_blocks, B, W] (kept out of the donated cache: a spill
+    writes them after the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.ops import gather_compact_group, invalidate_written_rows, resolve_residency
+from hisparse_jax.state import HotState, empty_like, init_hot_state
+
+_STATIC = {"static": True}
+
+
+def flat_rows(table: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+    """Flat row `table[n, t // B] * B + t % B` of each position t through a block table.
+
+    table: int32[N, P]; positions: int32[N, ...]. Returns int32 of positions' shape, -1 where
+    the position is negative, past the table's P pages or on a null (0) block.
+    """
+    # merge: pallas_kernels._rows.flat_rows
+    pages = positions // block_size
+    ok = (positions >= 0) & (pages < table.shape[1])
+    idx = jnp.clip(pages, 0, table.shape[1] - 1).reshape(positions.shape[0], -1)
+    blocks = jnp.take_along_axis(table, idx, axis=1).reshape(positions.shape)
+    return jnp.where(ok & (blocks > 0), blocks * block_size + positions % block_size, -1)
+
+
+def write_cache_rows(cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """cache[row] := values for rows >= 0; cache [num_blocks, B, W], rows int32[T] (flat rows),
+    values [T, W] (cast to the cache's dtype). Rows must be distinct where >= 0."""
+    flat = cache.reshape(-1, cache.shape[-1])
+    idx = jnp.where(rows >= 0, rows, flat.shape[0])
+    return flat.at[idx].set(values.astype(cache.dtype), mode="drop").reshape(cache.shape)
+
+
+# --------------------------------------------------------------------------- residency types
+
+
+@dataclasses.dataclass(frozen=True)
+class AllResident:
+    """Every row is read from a resident page: positions map through the resident table."""
+
+    name: ClassVar[str] = "all-resident"
+    reads_host: ClassVar[bool] = False  # lookups never read the host pools
+    resident_fast_path: ClassVar[bool] = True
+
+    def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
+               batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
+        del group
+        rows = flat_rows(batch.res, topk, cache.block_size)
+        rows = jnp.where(batch.live[:, None], rows, -1)
+        zeros = jnp.zeros(topk.shape[:1], jnp.int32)
+        return cache, Lookup(rows, zeros, zeros)
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparse:
+    """Resident pages plus per-request hot regions over the pinned host pools."""
+
+    name: ClassVar[str] = "hisparse"
+    reads_host: ClassVar[bool] = True
+    # A step whose scheduled requests have every page resident may run as `AllResident`.
+    resident_fast_path: ClassVar[bool] = True
+
+    def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
+               batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
+        written = jnp.where(batch.live, flat_rows(batch.src, batch.positions, cache.block_size),
+                            -1)
+        hot = invalidate_written_rows(cache.hot[group], batch.state_rows, written,
+                                      backend=cache.ops_backend)
+        return cache._resolve_and_gather(group, hot, topk, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class NaiveOffload:
+    """The naive-offload baseline: every non-resident selected row is copied every step."""
+
+    name: ClassVar[str] = "naive-offload"
+    reads_host: ClassVar[bool] = True
+    resident_fast_path: ClassVar[bool] = False  # the baseline always reads through the host
+
+    def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
+               batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
+        return cache._resolve_and_gather(group, empty_like(cache.hot[group]), topk, batch)
+
+
+Residency = AllResident | HiSparse | NaiveOffload
+
+
+# --------------------------------------------------------------------------- pytrees
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """Result of `HiSparseKVCache.lookup` for N batch rows and K selected positions.
+
+    Attributes:
+      attention_rows: int32[N, K], flat device row of each selected position in the layer
+        caches of the group (-1: masked: no entry, past the context, or a padding row).
+      hits: int32[N], selected rows found in the hot region (0 for `AllResident`).
+      misses: int32[N], selected rows copied from host this step (0 for `AllResident`).
+    """
+
+    attention_rows: jax.Array
+    hits: jax.Array
+    misses: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheBatch:
+    """Per-step, read-only inputs of the handle for N batch rows (see the module docstring).
+
+    Attributes:
+      state_rows: int32[N], state row of each batch row, -1 for padding rows.
+      positions: int32[N], the position whose row each batch row writes this step.
+      src: int32[N, P], host block of each page (0: none).
+      res: int32[N, P], resident device block of each page (0: read from host).
+      hot: int32[N, Hb], device blocks of the hot region (0: none).
+      host_pools: per layer, the pinned host pool [host_blocks, B, W]; may be empty for
+        lookups that never read the host (`AllResident`).
+    """
+
+    state_rows: jax.Array
+    positions: jax.Array
+    src: jax.Array
+    res: jax.Array
+    hot: jax.Array
+    host_pools: tuple[jax.Array, ...] = ()
+
+    @classmethod
+    def from_tables(cls, state_rows: jax.Array, positions: jax.Array, *, src: jax.Array,
+                    res: jax.Array, hot: jax.Array,
+                    host_pools: Sequence[jax.Array] = ()) -> CacheBatch:
+        """The batch rows' table rows gathered by `state_rows` from per-STATE-row tables
+        src / res [S, P] and hot [S, Hb] (usable inside jit; padding rows read row 0)."""
+        srow = jnp.where(state_rows >= 0, state_rows, 0)
+        return cls(state_rows, positions, src[srow], res[srow], hot[srow], tuple(host_pools))
+
+    @property
+    def live(self) -> jax.Array:
+        """bool[N]: the batch rows that serve a request."""
+        return self.state_rows >= 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HiSparseKVCache:
+    """The KV-cache handle: device state (pytree leaves) and static layout (see the module
+    docstring for shapes). Methods return a new handle; donate it at the jit boundary.
+
+    Attributes:
+      caches: per layer, the device KV cache [num_blocks, B, W].
+      hot: per index group, the `HotState` of the hot regions (shared by the group's layers;
+        unused by `AllResident` lookups).
+      residency: `AllResident()`, `HiSparse()` or `NaiveOffload()` (static).
+      block_size: B (static).
+      index_group_size: layers per index group (static): group g is layers
+        [g * size, (g + 1) * size) and its lookup serves all of them.
+      host_rows: rows of one layer's host pool (static); host rows >= it read as missing.
+      ops_backend: backend of the data-plane ops (static; None: picked per platform).
+    """
+
+    caches: tuple[jax.Array, ...]
+    hot: tuple[HotState, ...]
+    residency: Residency = dataclasses.field(metadata=_STATIC)
+    block_size: int = dataclasses.field(metadata=_STATIC)
+    index_group_size: int = dataclasses.field(default=1, metadata=_STATIC)
+    host_rows: int = dataclasses.field(default=0, metadata=_STATIC)
+    ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
+
+    @classmethod
+    def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
+               index_group_size: int = 1, ops_backend: str | None = None) -> HiSparseKVCache:
+        """Zero caches [cfg.num_gpu_blocks, B, W] (cfg.kv_dtype) per layer and an empty hot
+        state per index group; host_rows from cfg (0 without a host pool)."""
+        num_blocks = cfg.require("num_gpu_blocks")
+        return cls(
+            caches=tuple(jnp.zeros((num_blocks, cfg.block_size, cfg.row_width), cfg.kv_dtype)
+                         for _ in range(num_layers)),
+            hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
+            residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
+            host_rows=cfg.host_rows, ops_backend=ops_backend)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+    def with_residency(self, residency: Residency) -> HiSparseKVCache:
+        """The same arrays under another residency type (another traced step variant)."""
+        return dataclasses.replace(self, residency=residency)
+
+    def write_rows(self, layer: int, rows: jax.Array, values: jax.Array) -> HiSparseKVCache:
+        """Layer `layer`'s flat rows `rows` (int32[T], -1: skipped) := values [T, W]."""
+        caches = list(self.caches)
+        caches[layer] = write_cache_rows(caches[layer], rows, values)
+        return dataclasses.replace(self, caches=tuple(caches))
+
+    def write(self, layer: int, values: jax.Array, batch: CacheBatch) -> HiSparseKVCache:
+        """Stores values [N, W], the row of each live batch row at `batch.positions`, in its
+        resident page (through `batch.res`); padding rows write nothing."""
+        rows = jnp.where(batch.live, flat_rows(batch.res, batch.positions, self.block_size), -1)
+        return self.write_rows(layer, rows, values)
+
+    def lookup(self, group: int, topk: jax.Array, batch: CacheBatch
+               ) -> tuple[HiSparseKVCache, Lookup]:
+        """The device rows of the selected positions topk int32[N, K] (-1: none; valid
+        entries distinct per row, at most the position written this step) for every layer of
+        index group `group`; `HiSparse` / `NaiveOffload` copy the misses into those layers'
+        caches first. Call it once per group per step, after the group leader's `write`."""
+        return self.residency.lookup(self, group, topk, batch)
+
+    def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
+                            batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
+        resolution, hot = resolve_residency(
+            hot, topk, state_rows=batch.state_rows, hot_block_table=batch.hot,
+            source_block_table=batch.src, resident_block_table=batch.res,
+            block_size=self.block_size, host_rows=self.host_rows, backend=self.ops_backend)
+        layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
+        caches = list(self.caches)
+        caches[layers] = gather_compact_group(
+            batch.host_pools[layers], caches[layers], resolution.swap_src, resolution.swap_dst,
+            resolution.swap_counts, backend=self.ops_backend)
+        hots = list(self.hot)
+        hots[group] = hot
+        cache = dataclasses.replace(self, caches=tuple(caches), hot=tuple(hots))
+        return cache, Lookup(resolution.attention_rows, resolution.num_hits,
+                             resolution.swap_counts)

@@ -1,0 +1,149 @@
+"""`StaticResidency`: the all-resident residency manager, and `NoTransfers`, its worker.
+
+The engine runs ONE step path for every mode: a residency manager decides (admission, the
+step's plan, leaving), a transfer worker moves bytes, the KV-cache handle's residency type
+finds the rows. HiSparse and naive offload use the host tier's `Coordinator` and
+`TransferEngine`; the all-resident mode uses these two, which offer the part of the same
+API the scheduler and the runner call, with a fixed layout and nothing to move:
+
+  * state row s owns the device blocks `1 + s * P .. (s + 1) * P` (P = `max_pages`), one
+    full-length request; block 0 is the null block. `num_gpu_blocks` = 1 + S * P;
+  * no host blocks and no hot regions: the `src` and `hot` table rows are null, every page is
+    resident (`all_pages_resident` is always True, so every decode step is `AllResident`);
+  * a request waits only for a free state row.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from collections.abc import Hashable, Sequence
+
+import jax
+
+from hisparse_jax.config import HiSparseConfig
+from host_tier import Admitted, BlockTables, RequestView, Wait
+from host_tier.plan import StepPlan, StepWrite, TransferReport
+
+
+@dataclasses.dataclass
+class _Seat:
+    state_row: int
+    num_computed: int
+    num_tokens: int
+    scheduled: int
+
+
+class _StaticPool:
+    """`device_pool.num_free` of the static layout: the blocks of the free state rows."""
+
+    def __init__(self, manager: StaticResidency) -> None:
+        self._manager = manager
+
+    @property
+    def num_free(self) -> int:
+        return len(self._manager._free_rows) * self._manager.max_pages
+
+
+class StaticResidency:
+    """Every request fully resident in its own state row's blocks (module docstring).
+
+    Args:
+      cfg: sizes (block_size, max_num_reqs, max_model_len, hot_blocks: the hot table width).
+    """
+
+    hot_blocks = 0  # no hot regions: admission keeps no room for one
+
+    def __init__(self, cfg: HiSparseConfig) -> None:
+        self.block_size = cfg.block_size
+        self.max_pages = P = cfg.max_pages
+        self.tables = BlockTables(cfg.max_num_reqs, P, cfg.hot_blocks)
+        for s in range(cfg.max_num_reqs):
+            self.tables.set_row("res", s, range(1 + s * P, 1 + (s + 1) * P))
+        self.device_pool = _StaticPool(self)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._free_rows = list(range(cfg.max_num_reqs))  # a heap: the lowest row first
+        self._seats: dict[Hashable, _Seat] = {}
+        self._pass: list[Hashable] = []
+        self._step = 0
+
+    # ------------------------------------------------------------------ Coordinator API
+
+    def admit(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> Admitted | Wait:
+        if request_id in self._seats:
+            raise ValueError(f"admit: request_id {request_id!r} is already admitted")
+        if not self._free_rows:
+            return Wait("state_rows", 1, 0, "every state row is in use; a request must finish")
+        n = len(prompt_token_ids)
+        self._seats[request_id] = _Seat(heapq.heappop(self._free_rows), 0, n, n)
+        self._pass.append(request_id)
+        return Admitted(request_id, self._seats[request_id].state_row, 0, n)
+
+    def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
+                 new_token_ids: Sequence[int] = ()) -> None:
+        seat = self._seats[request_id]
+        seat.num_tokens += len(new_token_ids)
+        seat.scheduled = seat.num_tokens - seat.num_computed if num_tokens is None else num_tokens
+        self._pass.append(request_id)
+
+    def build_plan(self) -> StepPlan:
+        writes = []
+        for rid in self._pass:
+            seat = self._seats[rid]
+            writes.append(StepWrite(rid, seat.state_row, seat.num_computed, seat.scheduled))
+            seat.num_computed += seat.scheduled
+            seat.scheduled = 0
+        plan = StepPlan(step=self._step, writes=tuple(writes), tables=self.tables.take_update(),
+                        hot_resets=(), hot_invalidations=(), restores=(), spills=())
+        self._step += 1
+        self._pass = []
+        return plan
+
+    def request_room(self, num_blocks: int) -> None:
+        del num_blocks  # nothing to make room in: every request has its blocks
+
+    def all_pages_resident(self, request_id: Hashable) -> bool:
+        del request_id
+        return True
+
+    def view(self, request_id: Hashable) -> RequestView:
+        seat = self._seats[request_id]
+        return RequestView(
+            request_id=request_id, state_row=seat.state_row,
+            num_computed_tokens=seat.num_computed, host_blocks=(),
+            resident_blocks=tuple(int(b) for b in self.tables.row("res", seat.state_row)),
+            hot_blocks=(), hot_required=False, valid_pages=frozenset(),
+            pending_pages=frozenset(), unpinned_pages=frozenset(), ready_prefix_pages=0,
+            published_pages=0)
+
+    def finish(self, request_id: Hashable) -> None:
+        heapq.heappush(self._free_rows, self._seats.pop(request_id).state_row)
+
+    def preempt(self, request_id: Hashable) -> None:
+        self.finish(request_id)
+        self.stats["preemptions"] += 1
+
+    def has_pending_transfers(self) -> bool:
+        return False
+
+    def on_transfers(self, report: TransferReport | None = None) -> None:
+        del report  # no transfers are ever planned
+
+
+class NoTransfers:
+    """The transfer worker of `StaticResidency`'s plans: there is never anything to copy."""
+
+    num_in_flight = 0
+
+    def before_forward(self, plan: StepPlan, kv_caches: Sequence[jax.Array]
+                       ) -> list[jax.Array]:
+        del plan
+        return list(kv_caches)
+
+    def after_forward(self, plan: StepPlan, kv_caches: Sequence[jax.Array]) -> None:
+        del plan, kv_caches
+
+    def poll(self, *, wait: bool = False) -> TransferReport:
+        del wait
+        return TransferReport()

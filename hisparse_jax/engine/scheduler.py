@@ -1,0 +1,182 @@
+"""`Scheduler`: the request queues, admission under pressure, preemption and stop conditions.
+
+One scheduler pass per engine step (host side; it talks only to the residency manager and
+the transfer worker's reports):
+
+  1. the transfer worker's reports (spills enqueued / completed) go to the manager;
+  2. running requests are scheduled (their last sampled token is written this step);
+  3. waiting requests are admitted while seats (state rows) are free and a hot region's worth
+     of device blocks stays free after the admission (`manager.hot_blocks`; 0 when the
+     manager has no hot regions); when it would not, the manager is asked to make room
+     (`request_room`) and admission stops for this pass;
+  4. when nothing can run: wait for copies in flight, or preempt the most recently admitted
+     request that had to wait (recompute: it re-enters the queue with its generated tokens);
+  5. the plan is built, and the step's residency chosen: `AllResident` when the mode allows
+     it and every scheduled request's pages are resident (the fast path), else the mode's.
+
+The manager is a `host_tier.Coordinator` (HiSparse, naive offload) or a
+`hisparse_jax.engine.residency.StaticResidency` (all-resident); the worker a
+`host_tier.TransferEngine` or `NoTransfers`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+from hisparse_jax.cache import AllResident, Residency
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine.metrics import Metrics
+from hisparse_jax.engine.request import Request
+from host_tier.plan import StepPlan
+from host_tier.sizes import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+    """What one model step runs.
+
+    Attributes:
+      plan: the manager's plan (tables, hot updates, restores, spills) for the worker.
+      decode: running requests decoding one token each (their seats are their state rows).
+      admitted: requests admitted in this pass, to prefill.
+      residency: how the decode step finds rows (`AllResident` on the fast path).
+    """
+
+    plan: StepPlan
+    decode: list[Request]
+    admitted: list[Request]
+    residency: Residency
+
+
+class Scheduler:
+    """Queues and admission (module docstring).
+
+    Args:
+      manager: the residency manager (Coordinator API: admit / schedule / build_plan /
+        finish / preempt / view / all_pages_resident / request_room / on_transfers /
+        has_pending_transfers, `device_pool.num_free`, `hot_blocks`, `stats`).
+      transfers: the transfer worker (`poll`, `num_in_flight`).
+      cfg: sizes (max_num_reqs seats, block_size, max_model_len, num_gpu_blocks).
+      residency: the mode's residency type.
+      metrics: counters updated here (waits, preemptions, generated_tokens).
+    """
+
+    def __init__(self, manager: Any, transfers: Any, cfg: HiSparseConfig,
+                 residency: Residency, metrics: Metrics) -> None:
+        self.manager = manager
+        self.transfers = transfers
+        self.cfg = cfg
+        self.residency = residency
+        self.metrics = metrics
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[Hashable, Request] = {}  # admission order
+        self.finished: dict[Hashable, Request] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def deliver(self, *, wait: bool = False) -> None:
+        """Hands the worker's transfer reports to the manager (`wait`: for every copy)."""
+        report = self.transfers.poll(wait=wait)
+        if report:
+            self.manager.on_transfers(report)
+
+    def schedule(self) -> ScheduledStep | None:
+        """One scheduler pass; None when nothing runs this step."""
+        manager, m = self.manager, self.metrics
+        self.deliver()
+        decode, waited = [], []
+        for req in list(self.running.values()):
+            result = manager.schedule(req.request_id, new_token_ids=[req.generated[-1]])
+            (waited if result is not None else decode).append(req)
+        m.waits += len(waited)
+        admitted = self._admit()
+        if not decode and not admitted:
+            self._when_idle(waited)
+            return None
+        plan = manager.build_plan()
+        residency = self.residency
+        if residency.resident_fast_path and all(
+                manager.all_pages_resident(req.request_id) for req in decode):
+            residency = AllResident()
+        return ScheduledStep(plan, decode, admitted, residency)
+
+    def _admit(self) -> list[Request]:
+        manager, hot_blocks = self.manager, self.manager.hot_blocks
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_reqs:
+            req = self.waiting[0]
+            # Admission keeps a hot region's worth of blocks free while others run, so a
+            # running request that crosses the watermark can get its hot region (and start
+            # unpinning) instead of stalling until someone is preempted.
+            need = cdiv(req.num_tokens, self.cfg.block_size)
+            if (self.running or admitted) and manager.device_pool.num_free - need < hot_blocks:
+                self.metrics.waits += 1
+                # Running requests move to hot regions and unpin pages until it fits.
+                manager.request_room(need + hot_blocks)
+                break
+            result = manager.admit(req.request_id, req.tokens)
+            if not hasattr(result, "state_row"):  # Wait
+                self.metrics.waits += 1
+                break
+            manager.request_room(0)
+            self.waiting.popleft()
+            req.seat = result.state_row
+            admitted.append(req)
+        return admitted
+
+    def _when_idle(self, waited: list[Request]) -> None:
+        if self.manager.has_pending_transfers() or self.transfers.num_in_flight:
+            self.deliver(wait=True)  # completions free blocks
+        elif waited and len(self.running) == 1:
+            # Re-admitting it would replay the same stall forever.
+            raise RuntimeError(
+                "Engine: a lone request cannot hold its pages plus a hot region in the "
+                f"device pool ({self.cfg.num_gpu_blocks} blocks, hot region "
+                f"{self.cfg.hot_blocks}); raise num_gpu_blocks")
+        elif waited:
+            self.preempt(waited[-1])
+        elif self.waiting:
+            raise RuntimeError("Engine: a waiting request cannot be admitted into an idle "
+                               "engine; raise num_gpu_blocks / num_host_blocks")
+
+    def start(self, req: Request) -> None:
+        """An admitted request's prefill ran: it is running."""
+        self.running[req.request_id] = req
+
+    def record(self, req: Request, token: int) -> bool:
+        """Records a sampled token; finishes the request (True) when a stop condition holds:
+        a stop token (kept), `max_new_tokens`, or `max_model_len` tokens."""
+        req.generated.append(token)
+        self.metrics.generated_tokens += 1
+        if token in req.stop_token_ids:
+            req.finish_reason = "stop"
+        elif len(req.generated) >= req.max_new_tokens:
+            req.finish_reason = "length"
+        elif req.num_tokens >= self.cfg.max_model_len:
+            req.finish_reason = "max_model_len"
+        else:
+            return False
+        del self.running[req.request_id]
+        self.finished[req.request_id] = req
+        self.manager.finish(req.request_id)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Recompute preemption: the request re-enters the queue with its generated tokens;
+        its last sampled token is recomputed by the next prefill (the rows are not reused)."""
+        self.manager.preempt(req.request_id)
+        del self.running[req.request_id]
+        # Re-admission prefills prompt + generated[:-1] and samples generated[-1] again, so the
+        # last token is dropped here (greedy: the same token comes back).
+        req.generated.pop()
+        if req.attention:
+            req.attention.pop()
+        self.metrics.generated_tokens -= 1
+        req.num_preemptions += 1
+        self.metrics.preemptions += 1
+        self.waiting.appendleft(req)

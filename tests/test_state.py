@@ -1,0 +1,55 @@
+"""Hot state: a plan's hot resets and invalidations (`hisparse_jax.state`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.state import (
+    HotState,
+    apply_hot_updates,
+    init_hot_state,
+    invalidate_host_blocks,
+    reset_rows,
+)
+from host_tier.plan import HotInvalidation, StepPlan, TableRows, TableUpdate
+
+
+def _plan(hot_resets=(), invalidations=()):
+    empty = TableRows(np.zeros(0, np.int32), np.zeros((0, 1), np.int32))
+    return StepPlan(step=0, writes=(), tables=TableUpdate(empty, empty, empty),
+                    hot_resets=tuple(hot_resets), hot_invalidations=tuple(invalidations),
+                    restores=(), spills=())
+
+
+def test_invalidate_host_blocks_drops_only_that_rows_entries():
+    slot_rows = jnp.array([[0, 5, 9, -1, 13],
+                           [4, 5, 8, 12, 2],
+                           [5, 6, 7, 8, 9]], jnp.int32)
+    # state row 0 drops blocks 1 and 3 (rows 4..7, 12..15); row 2 drops block 2; row 1 keeps all.
+    out = invalidate_host_blocks(slot_rows, jnp.array([0, 2, -1], jnp.int32),
+                                 jnp.array([[1, 3], [2, -1], [1, 2]], jnp.int32), block_size=4)
+    np.testing.assert_array_equal(np.array(out), [[0, -1, 9, -1, -1],
+                                                  [4, 5, 8, 12, 2],
+                                                  [5, 6, 7, -1, -1]])
+
+
+def test_apply_hot_updates_resets_then_invalidates_a_hot_state():
+    hot = HotState(slot_rows=jnp.array([[1, 9, 4], [8, 5, 11]], jnp.int32),
+                   lru=jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int16))
+    plan = _plan(hot_resets=[0], invalidations=[HotInvalidation(1, (2,))])
+    out = apply_hot_updates(plan, hot, block_size=4, reset_rows_fn=reset_rows)
+    np.testing.assert_array_equal(np.array(out.slot_rows), [[-1, -1, -1], [-1, 5, -1]])
+    np.testing.assert_array_equal(np.array(out.lru), [[0, 1, 2], [1, 2, 0]])
+    # reset_rows is the default, and an empty plan leaves the state as it is.
+    again = apply_hot_updates(plan, hot, block_size=4)
+    np.testing.assert_array_equal(np.array(again.slot_rows), np.array(out.slot_rows))
+    assert apply_hot_updates(_plan(), out, block_size=4) is out
+
+
+def test_hot_state_of_a_config_is_empty():
+    state = init_hot_state(HiSparseConfig(top_k=2, hot_size=8, block_size=4, max_num_reqs=3,
+                                          row_width=8))
+    assert state.slot_rows.shape == (3, 8) and (np.array(state.slot_rows) == -1).all()
+    np.testing.assert_array_equal(np.array(state.lru), np.tile(np.arange(8), (3, 1)))

@@ -39,8 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax import ops
-from hisparse_jax.attention import sparse_mla_decode
-from hisparse_jax.index_group import gather_compact_group
+from hisparse_jax.ops import gather_compact_group, sparse_mla_decode
 from hisparse_jax.state import HotState, empty_like
 
 # --------------------------------------------------------------------------- configs

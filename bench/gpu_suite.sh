@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call on the GPU machine (one H200, jax 0.11.2).
 #   bash bench/gpu_suite.sh [step ...]
-# steps: env tests decode data_plane sparse_mla (default), resolve resolve_pallas engine_gpu
-#        e2e_smoke e2e (the end-to-end decode benchmark, about 8 minutes)
+# steps: env tests decode ops (default), engine_gpu e2e_smoke e2e (the end-to-end decode
+#        benchmark, about 8 minutes), or one op benchmark: resolve_residency gather_compact
+#        mirror_rows invalidate_written_rows sparse_mla_decode (`ops` runs all five)
 # Each step has its own time limit and a failing step does not stop the others. The log goes
 # to $OUT/suite.log and bench/results/ (also packed as $OUT/results.tar.gz) when OUT is set.
 set -u
@@ -11,7 +12,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/hisparse-gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env tests decode data_plane sparse_mla)
+[ ${#steps[@]} -gt 0 ] || steps=(env tests decode ops)
 summary=()
 
 run_step() {  # name, time limit in s, command...
@@ -39,10 +40,10 @@ run_step() {  # name, time limit in s, command...
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
       e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;
       engine_gpu) run_step engine_gpu 250 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
-      resolve) run_step resolve 150 python3 -m bench.bench_resolve --backend reference ;;
-      resolve_pallas) run_step resolve_pallas 150 python3 -m bench.bench_resolve --backend pallas ;;
-      data_plane) run_step data_plane 130 python3 -m bench.bench_data_plane ;;
-      sparse_mla) run_step sparse_mla 140 python3 -m bench.bench_sparse_mla ;;
+      # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
+      ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
+      resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode)
+        run_step "$step" 250 python3 -m bench.ops."$step" ;;
       *) echo "unknown step $step" ;;
     esac
   done

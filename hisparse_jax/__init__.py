@@ -1,7 +1,6 @@
 """hisparse-jax: a host-tiered sparse-attention KV cache (HiSparse) for JAX and Pallas."""
 
 from hisparse_jax import nn
-from hisparse_jax.attention import sparse_mla_decode
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.ops import (
@@ -10,6 +9,7 @@ from hisparse_jax.ops import (
     invalidate_written_rows,
     mirror_rows,
     resolve_residency,
+    sparse_mla_decode,
 )
 from hisparse_jax.state import HotState, init_hot_state, reset_rows
 

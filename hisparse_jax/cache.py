@@ -45,22 +45,9 @@ import jax.numpy as jnp
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.ops import gather_compact_group, invalidate_written_rows, resolve_residency
 from hisparse_jax.state import HotState, empty_like, init_hot_state
+from pallas_kernels._rows import flat_rows
 
 _STATIC = {"static": True}
-
-
-def flat_rows(table: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
-    """Flat row `table[n, t // B] * B + t % B` of each position t through a block table.
-
-    table: int32[N, P]; positions: int32[N, ...]. Returns int32 of positions' shape, -1 where
-    the position is negative, past the table's P pages or on a null (0) block.
-    """
-    # merge: pallas_kernels._rows.flat_rows
-    pages = positions // block_size
-    ok = (positions >= 0) & (pages < table.shape[1])
-    idx = jnp.clip(pages, 0, table.shape[1] - 1).reshape(positions.shape[0], -1)
-    blocks = jnp.take_along_axis(table, idx, axis=1).reshape(positions.shape)
-    return jnp.where(ok & (blocks > 0), blocks * block_size + positions % block_size, -1)
 
 
 def write_cache_rows(cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ version-dependent or private API calls the helper here. This module sits in the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,8 +51,8 @@ def has_gpu() -> bool:
 def triton_lowering_allowed():
     """Silences the Pallas Triton deprecation warning for the code inside, and nowhere else.
 
-    Used only around the kernels of `pallas_kernels.triton_kernels`, which must touch
-    `pinned_host` memory, something the Mosaic GPU backend refuses today. The warning is
+    Used only around the Triton-lowered kernels (`pallas_kernels/*/triton.py`; why they use
+    that lowering: `pallas_kernels/_triton.py`). The warning is
     raised when XLA lowers the kernel (the first call of the enclosing jit), not when it is
     traced: wrap kernels with `quiet_triton_call` so the lowering itself runs in here.
     """
@@ -130,6 +131,18 @@ def interpret_operand(x: jax.Array) -> jax.Array:
     if not PALLAS_INTERPRET_READS_HOST and in_host_memory(x):
         return to_device(x)
     return x
+
+
+@functools.cache
+def mosaic_gpu_interpret_available() -> bool:
+    """Whether this jax runs Mosaic GPU Pallas kernels in interpret mode on the CPU (jax 0.11
+    and later: `jax.experimental.pallas.mosaic_gpu.InterpretGPUParams`). Imports that module
+    only when called."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu
+    except ImportError:  # pragma: no cover - a jax without Mosaic GPU Pallas
+        return False
+    return hasattr(mosaic_gpu, "InterpretGPUParams")
 
 
 def backends_initialized() -> bool:

@@ -1,4 +1,4 @@
-"""A slow, obviously-correct loop oracle written straight from shared/spec/SEMANTICS.md,
+"""A slow, obviously-correct loop oracle written straight from `docs/semantics.md`,
 and random case generators shared by the resolve tests (reference and kernels).
 
 Plain numpy and Python loops; nothing here is vectorised on purpose.
@@ -29,7 +29,7 @@ def host_row(table, n, t, block_size, host_rows=None):
 
 def oracle_resolve(slot_rows, lru, topk, state_rows, hot_table, src_table, res_table,
                    block_size, host_rows):
-    """Returns (outputs dict, new_slot_rows, new_lru) following SEMANTICS.md step by step."""
+    """Returns (outputs dict, new_slot_rows, new_lru) following `docs/semantics.md` step by step."""
     slot_rows = np.array(slot_rows, dtype=np.int32, copy=True)
     lru = np.array(lru, dtype=np.int16, copy=True)
     n_rows, k = topk.shape

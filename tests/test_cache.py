@@ -16,10 +16,10 @@ from hisparse_jax.cache import (
     HiSparse,
     HiSparseKVCache,
     NaiveOffload,
-    flat_rows,
 )
 from hisparse_jax.config import HiSparseConfig
 from host_tier import memory_sharding
+from pallas_kernels._rows import flat_rows
 
 S, B, P, HB, W, LAYERS = 3, 4, 6, 4, 16, 2
 CFG = HiSparseConfig(top_k=8, hot_size=HB * B, block_size=B, max_num_reqs=S, row_width=W,

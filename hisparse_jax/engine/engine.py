@@ -35,11 +35,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from hisparse_jax.engine._host_tier_shims import (
-    coordinator_from_config,
-    device_tables_from_config,
-    host_pool_from_config,
-)
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.metrics import Metrics, StepClock, summarise
 from hisparse_jax.engine.request import Request
@@ -48,7 +43,7 @@ from hisparse_jax.engine.runner import PendingDecode, Runner, variant_name
 from hisparse_jax.engine.scheduler import Scheduler
 from hisparse_jax.nn import Transformer
 from hisparse_jax.ops import mirror_rows, restore_rows
-from host_tier import TransferEngine
+from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
 
 
 class Engine:
@@ -94,10 +89,10 @@ class Engine:
         self._clock = StepClock(self.metrics)
         self._owns_pool = False
         if residency.reads_host:
-            manager = coordinator_from_config(cfg, enable_prefix_caching=False,
+            manager = Coordinator.from_config(cfg, enable_prefix_caching=False,
                                               offload_all=ec.naive_offload)
             self._owns_pool = host_pool is None
-            host_pool = host_pool or host_pool_from_config(cfg, num_layers=mc.num_layers,
+            host_pool = host_pool or HostPool.from_config(cfg, num_layers=mc.num_layers,
                                                            device=device)
             transfers = TransferEngine(host_pool, mirror_fn=mirror_rows,
                                        restore_fn=restore_rows)
@@ -105,7 +100,7 @@ class Engine:
             manager, transfers = StaticResidency(cfg), NoTransfers()
         self.host_pool = host_pool
         self.runner = Runner(model, ec, cfg, residency,
-                             tables=device_tables_from_config(cfg, device=device),
+                             tables=DeviceBlockTables.from_config(cfg, device=device),
                              transfers=transfers, host_pool=host_pool, device=device)
         self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics)
         self._ids = itertools.count()

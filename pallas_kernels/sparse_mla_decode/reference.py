@@ -1,4 +1,4 @@
-"""jnp reference of sparse MLA decode attention: gather the selected rows, softmax in float32.
+"""sparse_mla_decode, jnp reference: gather the selected rows, softmax in float32.
 
 The contract it defines (and every kernel backend reproduces):
 
@@ -17,13 +17,18 @@ A row with no valid entry gives out = 0 and lse = -inf. `out` has q's dtype.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+M_INIT = -1e30        # the kernels' finite running-max start: fully masked tiles stay NaN-free
+
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "v_width"))
-def sparse_mla_decode_ref(
+def sparse_mla_decode(
     q: jax.Array,
     kv_cache_rows: jax.Array,
     attention_rows: jax.Array,
@@ -53,9 +58,6 @@ def sparse_mla_decode_ref(
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
-_LN2 = 0.6931471805599453
-
-
 def combine_splits(out: jax.Array, lse2: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Flash-decoding combine of K splits, in float32.
 
@@ -69,6 +71,29 @@ def combine_splits(out: jax.Array, lse2: jax.Array, dtype) -> tuple[jax.Array, j
     total = jnp.sum(w, axis=1)
     comb = jnp.einsum("tsh,tshv->thv", w, out.astype(jnp.float32))
     comb = comb / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, (m_safe + jnp.log2(jnp.where(total > 0, total, 1.0))) * _LN2,
+    lse = jnp.where(total > 0, (m_safe + jnp.log2(jnp.where(total > 0, total, 1.0))) * LN2,
                     -jnp.inf)
     return comb.astype(dtype), lse.astype(jnp.float32)
+
+
+def pad_operands(q: jax.Array, attention_rows: jax.Array, h_pad: int, k_pad: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """q [T, h_q, D] padded with zero heads to h_pad, attention_rows [T, K] padded with -1
+    (masked) entries to k_pad: the kernels' tile-aligned operands."""
+    h_q, top_k = q.shape[1], attention_rows.shape[1]
+    if k_pad != top_k:
+        attention_rows = jnp.pad(attention_rows, ((0, 0), (0, k_pad - top_k)),
+                                 constant_values=-1)
+    if h_pad != h_q:
+        q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
+    return q, attention_rows
+
+
+def merge_splits(out: jax.Array, lse2: jax.Array, h_q: int, dtype
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The kernels' per-split results [T, S, h_pad, v] / [T, S, h_pad] (base-2 lse) cut to
+    h_q heads and merged: (out [T, h_q, v] in `dtype`, natural-log lse float32 [T, h_q])."""
+    out, lse2 = out[:, :, :h_q], lse2[:, :, :h_q]
+    if out.shape[1] == 1:
+        return out[:, 0], lse2[:, 0] * LN2
+    return combine_splits(out, lse2, dtype)

@@ -1,15 +1,18 @@
 """invalidate_written_rows, jnp reference.
 
-A host row that is rewritten must not be served from a stale hot copy: for each written
-token with host row w >= 0 of state row s, every slot of slot_rows[s] equal to w becomes -1.
+A host row that is rewritten must not be served from a stale hot copy (`docs/semantics.md`):
+for each written token with host row w >= 0 of state row s, every slot of slot_rows[s] equal
+to w becomes -1.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
-def invalidate_written_rows_ref(slot_rows, state_rows_per_token, written_rows):
+def invalidate_written_rows(slot_rows: jax.Array, state_rows_per_token: jax.Array,
+                            written_rows: jax.Array) -> jax.Array:
     """slot_rows: int32[S, H]; state_rows_per_token, written_rows: int32[T] -> int32[S, H].
 
     Tokens whose state row is outside [0, S) or whose written row is negative are ignored.

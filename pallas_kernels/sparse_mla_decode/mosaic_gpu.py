@@ -1,7 +1,10 @@
-"""Sparse MLA decode attention as a Pallas Mosaic GPU kernel (Hopper, wgmma); jax >= 0.11.
+"""sparse_mla_decode as a Pallas Mosaic GPU kernel (Hopper, wgmma); jax >= 0.11.
 
-Contract: `pallas_kernels.sparse_mla_ref` (flat rows, -1 holes anywhere, all-invalid rows give
-out = 0 and lse = -inf). Public entry: `hisparse_jax.attention.sparse_mla_decode`.
+Import this module only where jax has Mosaic GPU Pallas (`hisparse_jax.ops` loads it lazily).
+Contract: `reference.sparse_mla_decode` (flat rows, -1 holes anywhere, all-invalid rows give
+out = 0 and lse = -inf). The Triton kernel (`triton.py`) is the default on the GPU: this one
+must copy each selected row as D/64 separate TMA boxes (figures in
+`bench/NOTES-sparse_mla.md`).
 
 Design (one CTA per (query row, block of 64 heads, K split)):
   * 2 compute warpgroups + `producer_wgs` copy warpgroups (warp specialisation, as in
@@ -23,7 +26,7 @@ Design (one CTA per (query row, block of 64 heads, K split)):
     combines the per-split (out, lse) in float32.
   * h_q < 64 is padded to 64 heads (wgmma M = 64): memory-bound there anyway.
 
-`interpret=True` runs the same kernel under Mosaic GPU interpret mode on the CPU (jax 0.11):
+`interpret=True` runs the same kernel under Mosaic GPU interpret mode on the CPU (jax 0.11+):
 the only difference is that row copies target the tiled view directly (the interpreter
 models refs logically, not by address), so everything but the physical-view aliasing and
 the hardware swizzle is checked on the CPU.
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -41,13 +43,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.sparse_mla_ref import combine_splits
+from pallas_kernels import _compat
+from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
 
 BLOCK_H = 64          # heads per CTA: the wgmma M of one warpgroup
 _CHUNK = 64           # 128-byte swizzle: 64 bf16 columns per tile column
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30       # finite running-max start: fully masked tiles stay NaN-free
 _NUM_SMS = 132        # H100/H200 SXM; only used to choose the number of K splits
 _SMEM_BYTES = 232448  # opt-in shared memory per block on Hopper (227 KiB)
 
@@ -63,7 +63,6 @@ class TuningConfig:
     num_splits: K splits per (row, head block); None = enough CTAs to fill the GPU.
     compute_registers / producer_registers: setmaxnreg targets; 128 * (2 * compute +
       producer_wgs * producer) must be <= 65536 (None: the most that fits, at most 40).
-    interpret: run under Mosaic GPU interpret mode (CPU testing).
     """
 
     block_kv: int = 64
@@ -72,7 +71,6 @@ class TuningConfig:
     num_splits: int | None = None
     compute_registers: int = 232
     producer_registers: int | None = None
-    interpret: bool = False
 
     def __post_init__(self) -> None:
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -93,14 +91,26 @@ class TuningConfig:
             raise ValueError(f"TuningConfig registers exceed the 64K register file: {regs}")
 
 
-# The variants the GPU tests and the benchmark run; the first is the default.
-# GPU run 1 (H200): pipelined 907 us, simple 877 us, no_split 801 us at N=64/h_q=128/K=2048
-# (row-copy issue bound); producer_wgs=2 fails ptxas (the 4-warpgroup kernel's 128-register
-# entry cap is below the 158 its code needs), so it is no longer a variant.
-VARIANTS: dict[str, TuningConfig] = {
-    "pipelined": TuningConfig(),                                  # 2-deep ring, 1 producer WG
-    "no_split": TuningConfig(num_splits=1),                       # one CTA per (row, heads)
-}
+DEFAULT = TuningConfig()
+
+
+def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
+             v_width: int = 512, interpret: bool = False) -> str | None:
+    """None when this kernel handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
+    arguments of `sparse_mla_decode`), else the reason: bf16/f16, D % 64 == 0, v_width a
+    multiple of 128 and <= 512; with `interpret`, a jax with Mosaic GPU interpret mode."""
+    del kv_rows, attention_rows, sm_scale
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"the mosaic_gpu kernel needs bfloat16 or float16 inputs, got {q.dtype}"
+    width = q.shape[-1]
+    if width % _CHUNK:
+        return f"the mosaic_gpu kernel needs the row width to be a multiple of 64, got {width}"
+    if v_width % 128 or v_width > min(512, width):
+        return f"the mosaic_gpu kernel needs v_width a multiple of 128 and <= 512, got {v_width}"
+    if interpret and not _compat.mosaic_gpu_interpret_available():
+        return (f"the mosaic_gpu kernel runs off the GPU only in Mosaic GPU interpret mode, "
+                f"which jax {jax.__version__} lacks (jax >= 0.11 has it)")
+    return None
 
 
 def _choose_splits(num_rows: int, head_blocks: int, num_tiles: int, cfg: TuningConfig) -> int:
@@ -118,7 +128,7 @@ def _choose_splits(num_rows: int, head_blocks: int, num_tiles: int, cfg: TuningC
 
 
 def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: int,
-                 cfg: TuningConfig):
+                 cfg: TuningConfig, interpret: bool):
     """q [T, Hp, D] (Hp % 64 == 0), kv_rows [R, D], rows3 int32 [T, n_tiles, block_kv].
 
     Returns out [T, S, Hp, v_width] (q.dtype, normalised within each split) and
@@ -147,7 +157,7 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
         row = lax.axis_index("row")
         wg = lax.axis_index("wg")
         q_smem, o_smem2 = qo_union
-        if cfg.interpret:
+        if interpret:
             kv_tiled = kv_union
             kv_phys = None
         else:
@@ -164,7 +174,7 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
                                         q_bar)
             plgpu.barrier_wait(q_bar)
 
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), _M_INIT, jnp.float32),
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), M_INIT, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
@@ -192,7 +202,7 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
 
                 v_ref = kv_tiled.at[slot, :, pl.ds(w * v_half, v_half)]
                 p16 = p.astype(dtype)
-                if cfg.interpret:
+                if interpret:
                     # The interpreter has neither run_state nor register-A wgmma: P goes
                     # through SMEM and the product is added in registers (same math).
                     p_smem = p_scratch.at[w]
@@ -275,7 +285,7 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
     swz = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, _CHUNK)), swz)
     kv_tiled_t = plgpu.SMEM((stages, bkv, width), dtype, transforms=tiled)
-    if cfg.interpret:
+    if interpret:
         kv_scratch = kv_tiled_t
     else:
         kv_phys_t = plgpu.SMEM((stages, bkv // 8, n_chunks, 8, _CHUNK), dtype, transforms=(swz,))
@@ -292,7 +302,7 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),             # KV tile consumed
         plgpu.Barrier(num_arrivals=2),                                  # compute done
     ]
-    if cfg.interpret:
+    if interpret:
         scratch.append(plgpu.SMEM((2, BLOCK_H, bkv), dtype, transforms=(
             plgpu.TilingTransform((8, min(bkv, _CHUNK))), plgpu.SwizzleTransform(
                 min(bkv, _CHUNK) * 2))))
@@ -301,7 +311,7 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
         jax.ShapeDtypeStruct((num_rows, num_splits, h_pad), jnp.float32),
     )
     kwargs = {}
-    if cfg.interpret:
+    if interpret:
         kwargs["interpret"] = plgpu.InterpretGPUParams()
     kernel = plgpu.kernel(
         body,
@@ -317,39 +327,35 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
     return kernel(q, kv_rows, rows3)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "config"))
-def sparse_mla_decode_mgpu(
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "interpret", "tuning"))
+def sparse_mla_decode(
     q: jax.Array,
     kv_rows: jax.Array,
     attention_rows: jax.Array,
     *,
     sm_scale: float,
     v_width: int = 512,
-    config: TuningConfig | None = None,
+    interpret: bool = False,
+    tuning: TuningConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D], rows int32 [T, K].
+    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype,
+    attention_rows int32 [T, K] (-1 = masked).
 
     Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
+    Raises ValueError with `supports`' reason for inputs it cannot run.
     """
-    cfg = config or TuningConfig()
+    cfg = tuning or DEFAULT
     num_rows, h_q, width = q.shape
     top_k = attention_rows.shape[1]
-    if width % _CHUNK or v_width % 128 or v_width > width:
-        raise ValueError(f"mosaic_gpu kernel needs D % 64 == 0 and v_width % 128 == 0, "
-                         f"got D={width}, v_width={v_width}")
+    reason = supports(q, kv_rows, v_width=v_width, interpret=interpret)
+    if reason is not None:
+        raise ValueError(reason)
     bkv = cfg.block_kv
     h_pad = -(-h_q // BLOCK_H) * BLOCK_H
     num_tiles = -(-top_k // bkv)
     splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
-    rows = attention_rows
-    if num_tiles * bkv != top_k:
-        rows = jnp.pad(rows, ((0, 0), (0, num_tiles * bkv - top_k)), constant_values=-1)
+    q_pad, rows = pad_operands(q, attention_rows, h_pad, num_tiles * bkv)
     rows3 = rows.reshape(num_rows, num_tiles, bkv)
-    q_pad = q if h_pad == h_q else jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
-    scale2 = float(sm_scale) * _LOG2E
-    out, lse2 = _kernel_call(q_pad, kv_rows, rows3, scale2=scale2, v_width=v_width,
-                             num_splits=splits, cfg=cfg)
-    out, lse2 = out[:, :, :h_q], lse2[:, :, :h_q]
-    if splits == 1:
-        return out[:, 0], lse2[:, 0] * _LN2
-    return combine_splits(out, lse2, q.dtype)
+    out, lse2 = _kernel_call(q_pad, kv_rows, rows3, scale2=float(sm_scale) * LOG2E,
+                             v_width=v_width, num_splits=splits, cfg=cfg, interpret=interpret)
+    return merge_splits(out, lse2, h_q, q.dtype)

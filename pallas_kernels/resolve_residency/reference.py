@@ -1,6 +1,6 @@
 """resolve_residency, vectorised jnp reference: the oracle every kernel is checked against.
 
-Semantics (shared/spec/SEMANTICS.md), per batch row n with state row s = state_rows[n]:
+Semantics (`docs/semantics.md`), per batch row n with state row s = state_rows[n]:
   * every selected position t maps to a host row g (source table) and, when its page is
     still resident, a resident device row; resident wins, g < 0 outputs -1, the rest is
     *pending* on g;
@@ -18,20 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._rows import flat_rows
+
 _BIG = jnp.iinfo(jnp.int32).max
-
-
-def host_rows_of(topk: jax.Array, table: jax.Array, block_size: int) -> jax.Array:
-    """Flat rows `table[n, t // B] * B + t % B` of positions `topk` [N, K]; -1 where null.
-
-    Null: t < 0, the block index outside the table, or the block id <= 0.
-    """
-    width = table.shape[1]
-    blk = jnp.where(topk >= 0, topk // block_size, -1)
-    in_table = (blk >= 0) & (blk < width)
-    block_id = jnp.take_along_axis(table, jnp.clip(blk, 0, width - 1), axis=1)
-    ok = in_table & (block_id > 0)
-    return jnp.where(ok, block_id * block_size + jnp.where(topk >= 0, topk % block_size, 0), -1)
 
 
 def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
@@ -97,28 +86,32 @@ def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
             jnp.sum(hit).astype(jnp.int32), new_slot_rows, new_lru)
 
 
-def resolve_residency_ref(slot_rows, lru, topk, state_rows, hot_block_table,
-                          source_block_table, resident_block_table, *, block_size, host_rows):
+def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
+                      source_block_table, resident_block_table, *, block_size, host_rows):
     """Reference resolve over a batch.
 
     Args:
       slot_rows: int32[S, H]; lru: int16[S, H] (the hot state).
-      topk: int32[N, K] logical positions (-1 = none).
+      topk: int32[N, K] logical positions (-1 = none); valid host rows unique within a row.
       state_rows: int32[N], state row per batch row; < 0 (or >= S) marks a padding row.
       hot_block_table: int32[N, >= ceil(H / B)]; source_block_table: int32[N, Ms];
       resident_block_table: int32[N, Mr] or None.
+      block_size: B (static); host_rows: rows of the host pool (int or traced int32
+        scalar): a host row g >= host_rows is treated as null.
     Returns:
-      (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits,
-       new_slot_rows, new_lru), dtypes as the inputs' (lru stays int16).
+      (attention_rows int32[N, K], valid_counts int32[N], swap_src int32[N, K],
+       swap_dst int32[N, K], swap_counts int32[N], num_hits int32[N],
+       new_slot_rows int32[S, H], new_lru int16[S, H]); padding rows output -1 / 0 and
+      leave their state rows unchanged.
     """
     num_state_rows, h = slot_rows.shape
     n, k = topk.shape
-    g = host_rows_of(topk, source_block_table, block_size)
+    g = flat_rows(source_block_table, topk, block_size)
     g = jnp.where(g < host_rows, g, -1)
     if resident_block_table is None:
         res = jnp.full_like(g, -1)
     else:
-        res = host_rows_of(topk, resident_block_table, block_size)
+        res = flat_rows(resident_block_table, topk, block_size)
     live = (state_rows >= 0) & (state_rows < num_state_rows)
     srow = jnp.clip(state_rows, 0, num_state_rows - 1)
     row_slots = slot_rows[srow]

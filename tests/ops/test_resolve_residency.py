@@ -1,7 +1,10 @@
-"""resolve_residency: the reference against the loop oracle, and the canonical facts."""
+"""resolve_residency: every backend against the loop oracle and the canonical facts; the Triton
+kernel against the jnp reference exactly (poisoned outputs, tuning variants), its lowering for
+CUDA, and the GPU-scale runs."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import chex
@@ -9,16 +12,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hisparse_jax as hs
-from pallas_kernels.resolve_ref import resolve_residency_ref
+from bench.ops.resolve_residency import RESOLVE_VARIANTS
+from pallas_kernels.resolve_residency import reference as ref_module
+from pallas_kernels.resolve_residency import triton as tk
+from tests.ops import INTERPRET, POISON, backends, examples, lower_for_cuda, sds
 from tests.oracle import oracle_resolve, random_case
 
+BACKENDS = backends("resolve_residency")
 TOP_KS = [1, 31, 32, 33, 63, 64, 65, 128, 2048]
+MULTS = [1, 2, 5]
+# Kernels run in the interpreter off the GPU (one compile per shape, ~3 s): three (K, H / K)
+# pairs that still cover K = H = 1, odd K with H = 5K, and the real K.
+KERNEL_SHAPES = [(1, 1), (65, 5), (2048, 2)]
 OUTPUT_FIELDS = ("attention_rows", "valid_counts", "swap_src", "swap_dst", "swap_counts",
                  "num_hits")
+NAMES = OUTPUT_FIELDS + ("slot_rows", "lru")
 
 
 def run_public(case, backend="reference"):
@@ -41,23 +53,32 @@ def assert_matches_oracle(case, resolution, state):
     assert state.lru.dtype == jnp.int16 and state.slot_rows.dtype == jnp.int32
 
 
-@given(seed=st.integers(0, 2**32 - 1), k=st.sampled_from(TOP_KS),
-       mult=st.sampled_from([1, 2, 5]), resident_share=st.sampled_from([0.0, 0.4]),
-       corrupt_lru=st.booleans())
-def test_reference_matches_oracle(seed, k, mult, resident_share, corrupt_lru):
+# ----------------------------------------------------------------------------- loop oracle
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 2**32 - 1), data=st.data(),
+       resident_share=st.sampled_from([0.0, 0.4]), corrupt_lru=st.booleans())
+def test_matches_oracle(backend, seed, data, resident_share, corrupt_lru):
     # One compiled shape per (k, mult): every example is 4 batch rows, padding included.
+    if backend == "reference":
+        k = data.draw(st.sampled_from(TOP_KS), label="k")
+        mult = data.draw(st.sampled_from(MULTS), label="mult")
+    else:
+        k, mult = data.draw(st.sampled_from(KERNEL_SHAPES), label="k, mult")
     rng = np.random.default_rng(seed)
     block_size = 4 if k < 64 else 16
     src_blocks = max(1, (k + k // 2) // block_size)
     case = random_case(rng, n=4, k=k, hot=k * mult, block_size=block_size,
                        src_blocks=src_blocks, resident_share=resident_share,
                        corrupt_lru=corrupt_lru)
-    resolution, state = run_public(case)
+    resolution, state = run_public(case, backend)
     assert_matches_oracle(case, resolution, state)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(2, 6))
-def test_reference_matches_oracle_over_steps(seed, steps):
+def test_matches_oracle_over_steps(backend, seed, steps):
     """State carried across steps (a realistic LRU) with topk sets drawn from a small pool."""
     rng = np.random.default_rng(seed)
     n, k, hot, b = 3, 32, 64, 8
@@ -66,9 +87,18 @@ def test_reference_matches_oracle_over_steps(seed, steps):
         fresh = random_case(rng, n=n, k=k, hot=hot, block_size=b, src_blocks=12,
                             resident_share=float(rng.choice([0.0, 0.4])))
         case.topk, case.res_table = fresh.topk, fresh.res_table
-        resolution, state = run_public(case)
+        resolution, state = run_public(case, backend)
         assert_matches_oracle(case, resolution, state)
         case.slot_rows, case.lru = np.asarray(state.slot_rows), np.asarray(state.lru)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resident_table_is_optional(backend):
+    rng = np.random.default_rng(3)
+    case = random_case(rng, n=2, k=8, hot=16, block_size=4, src_blocks=4)
+    case.res_table = None
+    resolution, state = run_public(case, backend)
+    assert_matches_oracle(case, resolution, state)
 
 
 # ----------------------------------------------------------------------------- canonical
@@ -88,12 +118,13 @@ def identity_setup(k, hot, b, n=1):
     return cfg, kw
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k,hot", [(4, 8), (32, 32), (64, 160), (2048, 4096)])
-def test_cold_start(k, hot):
+def test_cold_start(k, hot, backend):
     b = 16
     cfg, kw = identity_setup(k, hot, b)
     topk = jnp.arange(k, dtype=jnp.int32)[None]
-    res, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, **kw)
+    res, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, backend=backend, **kw)
     slots = np.arange(k)
     np.testing.assert_array_equal(res.attention_rows[0], 100 * b + slots)   # column i -> slot i
     np.testing.assert_array_equal(res.swap_src[0], b + slots)               # swap_src == g
@@ -103,20 +134,45 @@ def test_cold_start(k, hot):
     assert int(res.valid_counts[0]) == k
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cold_start_then_replay_is_fixed_point(backend):
+    k, hot, block = 8, 12, 4
+    cfg = hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=block, max_num_reqs=2)
+    state = hs.init_hot_state(cfg)
+    topk = jnp.arange(k, dtype=jnp.int32)[None]
+    kw = dict(state_rows=jnp.array([1], jnp.int32),
+              hot_block_table=jnp.array([[5, 6, 7]], jnp.int32),
+              source_block_table=jnp.array([[3, 4]], jnp.int32),
+              block_size=block, host_rows=64, backend=backend)
+    res, state = hs.resolve_residency(state, topk, **kw)
+    g = np.array([3 * 4 + i for i in range(4)] + [4 * 4 + i for i in range(4)])
+    np.testing.assert_array_equal(np.asarray(res.swap_src)[0], g)
+    np.testing.assert_array_equal(np.asarray(res.attention_rows)[0],
+                                  [20, 21, 22, 23, 24, 25, 26, 27])      # slot i -> row
+    np.testing.assert_array_equal(np.asarray(state.lru)[1], np.roll(np.arange(hot), -k))
+    res2, state2 = hs.resolve_residency(state, topk, **kw)
+    assert int(res2.swap_counts[0]) == 0 and int(res2.num_hits[0]) == k
+    np.testing.assert_array_equal(np.asarray(res2.attention_rows), np.asarray(res.attention_rows))
+    np.testing.assert_array_equal(np.asarray(state2.slot_rows), np.asarray(state.slot_rows))
+    np.testing.assert_array_equal(np.asarray(state2.lru), np.asarray(state.lru))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k,hot", [(33, 66), (2048, 4096)])
-def test_warm_replay_is_a_fixed_point(k, hot):
+def test_warm_replay_is_a_fixed_point(k, hot, backend):
     cfg, kw = identity_setup(k, hot, 16)
     rng = np.random.default_rng(0)
     topk = jnp.asarray(rng.permutation(2 * k)[:k][None].astype(np.int32))
-    first, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, **kw)
-    again, state2 = hs.resolve_residency(state, topk, **kw)
+    first, state = hs.resolve_residency(hs.init_hot_state(cfg), topk, backend=backend, **kw)
+    again, state2 = hs.resolve_residency(state, topk, backend=backend, **kw)
     assert int(again.swap_counts[0]) == 0 and int(again.num_hits[0]) == k
     np.testing.assert_array_equal(again.attention_rows, first.attention_rows)
     np.testing.assert_array_equal(again.swap_src, -1)
     chex.assert_trees_all_equal(state2, state)
 
 
-def test_drifting_window_evicts_only_the_oldest():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drifting_window_evicts_only_the_oldest(backend):
     k, hot, b, drift = 64, 128, 8, 5
     cfg, kw = identity_setup(k, hot, b)
     state = hs.init_hot_state(cfg)
@@ -124,7 +180,7 @@ def test_drifting_window_evicts_only_the_oldest():
         topk = jnp.arange(step * drift, step * drift + k, dtype=jnp.int32)[None]
         old_lru = np.asarray(state.lru[0])
         old_rows = np.asarray(state.slot_rows[0])
-        res, state = hs.resolve_residency(state, topk, **kw)
+        res, state = hs.resolve_residency(state, topk, backend=backend, **kw)
         misses = int(res.swap_counts[0])
         assert misses == (k if step == 0 else drift)
         assert int(res.num_hits[0]) == k - misses
@@ -132,16 +188,19 @@ def test_drifting_window_evicts_only_the_oldest():
         filled = np.asarray(res.swap_dst[0, :misses]) - 100 * b               # slot ids
         # The misses took exactly the oldest `misses` slots, in LRU order.
         np.testing.assert_array_equal(filled, old_lru[:misses])
-        np.testing.assert_array_equal(np.sort(changed), np.sort(filled[old_rows[filled] !=
-                                                                      np.asarray(state.slot_rows[0])[filled]]))
+        new_rows = np.asarray(state.slot_rows[0])
+        np.testing.assert_array_equal(np.sort(changed),
+                                      np.sort(filled[old_rows[filled] != new_rows[filled]]))
         # Newest positions are the hits, in their old order, after the fresh fills.
         new_lru = np.asarray(state.lru[0])
         np.testing.assert_array_equal(new_lru[hot - k: hot - k + misses], filled)
 
 
-def test_fully_resident_rows_leave_state_untouched():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_resident_rows_leave_state_untouched(backend):
     k, hot, b = 32, 64, 8
     cfg, kw = identity_setup(k, hot, b, n=2)
+    kw["backend"] = backend
     state0 = hs.init_hot_state(cfg)
     topk = jnp.tile(jnp.arange(k, dtype=jnp.int32), (2, 1))
     _, warm = hs.resolve_residency(state0, topk, **kw)         # some hot content
@@ -156,21 +215,14 @@ def test_fully_resident_rows_leave_state_untouched():
     np.testing.assert_array_equal(res.valid_counts, k)
 
 
-def test_resident_table_is_optional():
-    rng = np.random.default_rng(3)
-    case = random_case(rng, n=2, k=8, hot=16, block_size=4, src_blocks=4)
-    case.res_table = None
-    resolution, state = run_public(case)
-    assert_matches_oracle(case, resolution, state)
-
-
-def test_padding_rows_output_nothing_and_keep_state():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_rows_output_nothing_and_keep_state(backend):
     k, hot, b = 8, 16, 4
     cfg, kw = identity_setup(k, hot, b, n=2)
     kw["state_rows"] = jnp.array([-1, 1], jnp.int32)
     topk = jnp.tile(jnp.arange(k, dtype=jnp.int32), (2, 1))
     state0 = hs.init_hot_state(cfg)
-    res, state = hs.resolve_residency(state0, topk, **kw)
+    res, state = hs.resolve_residency(state0, topk, backend=backend, **kw)
     np.testing.assert_array_equal(res.attention_rows[0], -1)
     assert int(res.valid_counts[0]) == 0 and int(res.swap_counts[0]) == 0
     np.testing.assert_array_equal(state.slot_rows[0], state0.slot_rows[0])
@@ -182,12 +234,15 @@ def test_padding_rows_output_nothing_and_keep_state():
 
 
 class ReferenceVariantsTest(chex.TestCase):
+    """The reference function itself, with and without jit (the kernels are always jitted
+    through the op)."""
+
     @chex.variants(with_jit=True, without_jit=True)
     def test_reference_function_variants(self):
         rng = np.random.default_rng(7)
         case = random_case(rng, n=3, k=16, hot=32, block_size=4, src_blocks=6,
                            resident_share=0.4)
-        fn = self.variant(lambda *a: resolve_residency_ref(
+        fn = self.variant(lambda *a: ref_module.resolve_residency(
             *a, block_size=case.block_size, host_rows=case.host_rows))
         out = fn(*[jnp.asarray(x) for x in case.args()])
         chex.assert_shape(out[0], (3, 16))
@@ -200,13 +255,14 @@ class ReferenceVariantsTest(chex.TestCase):
         np.testing.assert_array_equal(out[7], want_lru)
 
 
-def test_public_op_traces_once_per_shape():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_op_traces_once_per_shape(backend):
     cfg, kw = identity_setup(16, 32, 4, n=2)
 
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(state, topk):
-        return hs.resolve_residency(state, topk, **kw)
+        return hs.resolve_residency(state, topk, backend=backend, **kw)
 
     state = hs.init_hot_state(cfg)
     for shift in range(3):
@@ -215,9 +271,11 @@ def test_public_op_traces_once_per_shape():
     chex.clear_trace_counter()
 
 
-def test_usable_under_jit_with_donated_state():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_usable_under_jit_with_donated_state(backend):
     cfg, kw = identity_setup(16, 32, 4, n=2)
-    step = jax.jit(lambda s, t: hs.resolve_residency(s, t, **kw), donate_argnums=0)
+    step = jax.jit(lambda s, t: hs.resolve_residency(s, t, backend=backend, **kw),
+                   donate_argnums=0)
     state = hs.init_hot_state(cfg)
     topk = jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1))
     res, state = step(state, topk)
@@ -252,6 +310,8 @@ def _good_args():
     (lambda s, t, kw: (hs.HotState(s.slot_rows, s.lru.astype(jnp.int32)), t, kw),
      "state.lru must be int16"),
     (lambda s, t, kw: (s, t, {**kw, "backend": "cuda"}), "backend must be one of"),
+    (lambda s, t, kw: (s, t, {**kw, "backend": "mosaic_gpu"}),
+     "has no implementation of resolve_residency"),
 ])
 def test_bad_input_names_the_argument(mutate, match):
     state, topk, kw = mutate(*_good_args())
@@ -285,9 +345,109 @@ def test_reset_rows_empties_only_named_rows():
     np.testing.assert_array_equal(cleared.lru[0], state.lru[0])
 
 
+# ------------------------------------------------ Triton kernel against the reference, exactly
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "tuning"))
+def _resolve_kernel(*args, block_size, host_rows, tuning):
+    return tk.resolve_residency(*args, block_size=block_size, host_rows=host_rows,
+                                interpret=INTERPRET, tuning=tuning, poison=POISON)
+
+
+_ref = jax.jit(ref_module.resolve_residency, static_argnames=("block_size",))
+
+# (n, k, hot, block_size, src_blocks, resident_share, tuning): few shapes, each compiled
+# once; a share of None runs without a resident table.
+RESOLVE_SHAPES = {
+    "resident": (4, 8, 12, 4, 4, 0.4, tk.ResolveTuning()),
+    # A sparse (8 * Kp) table, the whole LRU in one chunk (walk and reorder fused).
+    "no_resident_odd_k": (3, 7, 9, 2, 5, None, tk.ResolveTuning(table_factor=8)),
+    # 4-slot chunks: the walk carries ranks across 4 chunks; a 2*Kp table collides often.
+    "chunked_walk": (2, 6, 16, 4, 3, 0.3, tk.ResolveTuning(chunk=4, table_factor=2,
+                                                           cached_loads=True)),
+}
+
+
+def _case(rng, shape, corrupt=False):
+    n, k, hot, block, src_blocks, share, _ = RESOLVE_SHAPES[shape]
+    case = random_case(rng, n=n, k=k, hot=hot, block_size=block, src_blocks=src_blocks,
+                       resident_share=share or 0.0, corrupt_lru=corrupt)
+    if share is None:
+        case.res_table = None
+    # One hot-table width per shape (one compile); host_rows is a traced scalar.
+    case.hot_table = case.hot_table[:, : -(-hot // block)]
+    return case
+
+
+def _check_resolve(case, tuning):
+    host_rows = case.host_rows
+    args = [None if a is None else jnp.asarray(a) for a in case.args()]
+    got = _resolve_kernel(*args, block_size=case.block_size, host_rows=host_rows,
+                          tuning=tuning)
+    ref = _ref(*args, block_size=case.block_size, host_rows=host_rows)
+    for name, g, r in zip(NAMES, got, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+    return got
+
+
+@pytest.mark.parametrize("shape", list(RESOLVE_SHAPES))
+@settings(max_examples=examples(0.2))
+@given(seed=st.integers(0, 2**32 - 1), corrupt=st.booleans())
+def test_kernel_matches_reference(shape, seed, corrupt):
+    _check_resolve(_case(np.random.default_rng(seed), shape, corrupt),
+                   RESOLVE_SHAPES[shape][-1])
+
+
+def test_kernel_matches_loop_oracle():
+    case = _case(np.random.default_rng(3), "resident")
+    got = _check_resolve(case, RESOLVE_SHAPES["resident"][-1])
+    want, slot_rows, lru = oracle_resolve(*case.args(), case.block_size, case.host_rows)
+    for name in NAMES[:6]:
+        np.testing.assert_array_equal(np.asarray(got[NAMES.index(name)]), want[name], name)
+    np.testing.assert_array_equal(np.asarray(got[6]), slot_rows)
+    np.testing.assert_array_equal(np.asarray(got[7]), lru)
+
+
+def test_tuning_knobs_are_validated():
+    with pytest.raises(ValueError, match="chunk"):
+        tk.ResolveTuning(chunk=1000)
+    with pytest.raises(ValueError, match="table_factor"):
+        tk.ResolveTuning(table_factor=3)
+
+
+# --------------------------------------------------------------------------- Triton lowering
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.parametrize("n,k,hot,block,resident", [(64, 2048, 4096, 64, True),
+                                                     (3, 10, 37, 4, False)])
+def test_kernel_lowers_to_triton(n, k, hot, block, resident):
+    fn = functools.partial(tk.resolve_residency, block_size=block, host_rows=1 << 20)
+    args = [sds((n + 2, hot)), sds((n + 2, hot), jnp.int16), sds((n, k)), sds((n,)),
+            sds((n, -(-hot // block))), sds((n, 100))]
+    if resident:
+        lower_for_cuda(fn, *args, sds((n, 100)))
+    else:
+        lower_for_cuda(lambda *a: fn(*a, None), *args)
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.parametrize("name", list(RESOLVE_VARIANTS))
+def test_sweep_variants_lower_to_triton(name):
+    """Every candidate of the benchmark's resolve sweep lowers at the benchmark's size."""
+    n, k, hot, block = 64, 2048, 4096, 64
+    fn = functools.partial(tk.resolve_residency, block_size=block, host_rows=1 << 20,
+                           tuning=RESOLVE_VARIANTS[name])
+    lower_for_cuda(fn, sds((n, hot)), sds((n, hot), jnp.int16), sds((n, k)), sds((n,)),
+                   sds((n, hot // block)), sds((n, 96)), sds((n, 96)))
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["reference", None])
-def test_resolve_on_gpu_matches_oracle(backend):
+def test_gpu_public_op_matches_oracle(backend):
     rng = np.random.default_rng(5)
     for k, mult in [(64, 2), (2048, 2)]:
         case = random_case(rng, n=8, k=k, hot=k * mult, block_size=64,
@@ -295,3 +455,44 @@ def test_resolve_on_gpu_matches_oracle(backend):
                            corrupt_lru=True)
         resolution, state = run_public(case, backend=backend)
         assert_matches_oracle(case, resolution, state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_gpu_kernel_realistic(n):
+    rng = np.random.default_rng(n)
+    k, hot, block = 2048, 4096, 64
+    case = random_case(rng, n=n, k=k, hot=hot, block_size=block, src_blocks=48,
+                       resident_share=0.3, corrupt_lru=True)
+    _check_resolve(case, tk.ResolveTuning())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(RESOLVE_VARIANTS))
+def test_gpu_kernel_sweep_variants(name):
+    """Each tuning the benchmark may pick, compiled, at the real K and H."""
+    case = random_case(np.random.default_rng(11), n=4, k=2048, hot=4096, block_size=64,
+                       src_blocks=48, resident_share=0.3, corrupt_lru=True)
+    _check_resolve(case, RESOLVE_VARIANTS[name])
+
+
+@pytest.mark.gpu
+def test_gpu_sequence_via_public_op():
+    """Several decode steps through the public op (compiled kernel) vs the reference."""
+    rng = np.random.default_rng(1)
+    n, k, hot, block = 8, 256, 512, 16
+    cfg = hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=block, max_num_reqs=n)
+    state_p = state_r = hs.init_hot_state(cfg)
+    src_table = jnp.asarray(1 + rng.permutation(n * 64).reshape(n, 64).astype(np.int32))
+    hot_table = jnp.asarray(1 + rng.permutation(n * 32).reshape(n, 32).astype(np.int32))
+    kw = dict(state_rows=jnp.arange(n, dtype=jnp.int32), hot_block_table=hot_table,
+              source_block_table=src_table, block_size=block, host_rows=(n * 64 + 1) * block)
+    for _ in range(5):
+        topk = jnp.asarray(np.stack([rng.choice(64 * block, k, replace=False)
+                                     for _ in range(n)]).astype(np.int32))
+        res_p, state_p = hs.resolve_residency(state_p, topk, backend="triton", **kw)
+        res_r, state_r = hs.resolve_residency(state_r, topk, backend="reference", **kw)
+        for name in NAMES[:6]:
+            np.testing.assert_array_equal(np.asarray(getattr(res_p, name)),
+                                          np.asarray(getattr(res_r, name)), name)
+        np.testing.assert_array_equal(np.asarray(state_p.lru), np.asarray(state_r.lru))

@@ -1,8 +1,9 @@
-"""Sparse MLA decode attention: reference and kernel against a float64 numpy reference.
+"""sparse_mla_decode: every backend against a float64 numpy reference.
 
-CPU: the jnp reference (randomised with hypothesis), argument validation, the
-multi-query-row form, the Mosaic GPU kernel under Mosaic GPU interpret mode at small shapes
-(where this jax has it) and the Triton kernel under `interpret=True` (both jax versions).
+CPU: each backend on random inputs (hypothesis), the multi-query-row form and fixed kernel
+cases (padded heads, two head blocks, K splits, the id-prefetch off), the Triton kernel in
+Pallas interpret mode and the Mosaic GPU kernel in Mosaic GPU interpret mode (where this jax
+has it); argument validation; the Triton kernel's CUDA lowering for every benchmark variant.
 GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three
 shapes (each variant compiles in its own test, so one that fails to build fails only its
 own), fresh random inputs with -1 holes anywhere and all-invalid rows.
@@ -10,6 +11,7 @@ own), fresh random inputs with -1 holes anywhere and all-invalid rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,8 +21,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax.attention import sparse_mla_decode
-from pallas_kernels.sparse_mla_ref import sparse_mla_decode_ref
+from bench.ops.sparse_mla_decode import ATTENTION_SWEEP_EXTRA, ATTENTION_VARIANTS, mosaic_variants
+from hisparse_jax.ops import sparse_mla_decode
+from pallas_kernels.sparse_mla_decode import reference
+from pallas_kernels.sparse_mla_decode import triton as tk
+from tests.ops import backends, lower_for_cuda, sds
+
+BACKENDS = backends("sparse_mla_decode")
+# The inputs of the random test (width 128, v_width 64) are outside the Mosaic GPU kernel's
+# (v_width % 128 == 0), and its interpret mode is slow (~25 s a call here): it runs the fixed
+# kernel cases; the others run the random test and the multi-query-row form.
+RANDOM_BACKENDS = [p for p in BACKENDS if p.values[0] != "mosaic_gpu"]
 
 SM_SCALE = 1.0 / math.sqrt(192.0)
 
@@ -80,22 +91,30 @@ def assert_close(out, lse, q, kv, rows, *, v_width=512, tol=1e-2):
     assert np.all(out[dead] == 0.0)
 
 
-# ---------------------------------------------------------------- reference (CPU and GPU)
+# ---------------------------------------------------------------- every backend (CPU and GPU)
 
+@pytest.mark.parametrize("backend", RANDOM_BACKENDS)
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 3), h=st.sampled_from([1, 4, 16]),
-       top_k=st.integers(1, 40), hole_frac=st.sampled_from([0.0, 0.3, 0.9]))
-def test_reference_matches_float64(seed, n, h, top_k, hole_frac):
+@given(seed=st.integers(0, 2**31 - 1), data=st.data(), hole_frac=st.sampled_from([0.0, 0.3, 0.9]))
+def test_matches_float64(backend, seed, data, hole_frac):
+    if backend == "reference":
+        n = data.draw(st.integers(1, 3), label="n")
+        h = data.draw(st.sampled_from([1, 4, 16]), label="h")
+        top_k = data.draw(st.integers(1, 40), label="top_k")
+    else:   # kernels run in the interpreter off the GPU: one compile per shape
+        n = 2
+        h = data.draw(st.sampled_from([1, 16]), label="h")
+        top_k = data.draw(st.sampled_from([1, 40]), label="top_k")
     q, kv, rows = make_inputs(seed, n, h, top_k, 50, width=128, hole_frac=hole_frac,
                               invalid_rows=(0,) if n > 1 else ())
-    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, v_width=64,
-                                 backend="reference")
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, v_width=64, backend=backend)
     assert out.shape == (n, h, 64) and out.dtype == q.dtype
     assert lse.shape == (n, h) and lse.dtype == jnp.float32
     assert_close(out, lse, q, kv, rows, v_width=64)
 
 
 def test_reference_float32_is_tight():
+    """float32 inputs: only the reference takes them."""
     q, kv, rows = make_inputs(1, 3, 8, 64, 200, dtype=jnp.float32, invalid_rows=(1,))
     out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="reference")
     assert_close(out, lse, q, kv, rows, tol=1e-5)
@@ -111,12 +130,13 @@ def test_default_backend_on_cpu_is_reference():
     np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 
 
-def test_multi_query_row_form_equals_flat_form():
+@pytest.mark.parametrize("backend", RANDOM_BACKENDS)
+def test_multi_query_row_form_equals_flat_form(backend):
     q, kv, rows = make_inputs(3, 2, 4, 24, 80, s_q=3, invalid_rows=(4,))
-    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="reference")
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend)
     assert out.shape == (2, 3, 4, 512) and lse.shape == (2, 3, 4)
     flat_out, flat_lse = sparse_mla_decode(q.reshape(6, 4, 576), kv, rows.reshape(6, 24),
-                                           sm_scale=SM_SCALE, backend="reference")
+                                           sm_scale=SM_SCALE, backend=backend)
     np.testing.assert_array_equal(np.asarray(out).reshape(6, 4, 512), np.asarray(flat_out))
     np.testing.assert_array_equal(np.asarray(lse).reshape(6, 4), np.asarray(flat_lse))
     assert_close(out, lse, q, kv, rows)
@@ -152,38 +172,44 @@ def test_bad_arguments_name_the_argument(mutate, exc, match):
         sparse_mla_decode(q, kv, rows, **kw)
 
 
-# ------------------------------------------------------- kernel in interpret mode (CPU)
+# ------------------------------------------------ kernels, fixed cases (interpret off the GPU)
 
-def _interpret_available() -> bool:
-    try:
-        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _tuning(backend, **kw):
+    if backend == "triton":
+        return tk.AttentionTuning(**kw)
+    from pallas_kernels.sparse_mla_decode.mosaic_gpu import TuningConfig
 
-
-needs_interpret = pytest.mark.skipif(
-    not _interpret_available(), reason="Mosaic GPU interpret mode needs jax >= 0.11")
+    return TuningConfig(**kw)
 
 
-@needs_interpret
-@pytest.mark.parametrize("n, h, top_k, cfg_kw", [
-    (2, 16, 128, {}),                                                  # padded heads
-    (1, 80, 150, {"num_splits": 2, "producer_wgs": 2}),                # 2 head blocks, splits
-])
-def test_kernel_interpret_matches_float64(n, h, top_k, cfg_kw):
-    from pallas_kernels.sparse_mla_mgpu import TuningConfig
+KERNEL_CASES = {
+    "triton": [
+        (2, 16, 128, {}),                                                  # padded heads
+        (1, 80, 150, {"num_splits": 2, "block_k": 16}),                    # 2 head blocks, splits
+        (2, 16, 100, {"block_k": 16, "prefetch_ids": False, "num_stages": 3}),  # no id prefetch
+    ],
+    "mosaic_gpu": [
+        (2, 16, 128, {}),                                                  # padded heads
+        (1, 80, 150, {"num_splits": 2, "producer_wgs": 2}),                # 2 head blocks, splits
+    ],
+}
 
-    q, kv, rows = make_inputs(10 + n, n, h, top_k, 300, invalid_rows=(0,) if n > 1 else ())
-    cfg = TuningConfig(interpret=True, **cfg_kw)
-    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="mosaic_gpu",
-                                 config=cfg)
+
+@pytest.mark.parametrize("backend, n, h, top_k, cfg_kw", [
+    pytest.param(p.values[0], *case, marks=p.marks, id=f"{p.values[0]}-{i}")
+    for p in BACKENDS for i, case in enumerate(KERNEL_CASES.get(p.values[0], []))])
+def test_kernel_cases_match_float64(backend, n, h, top_k, cfg_kw):
+    q, kv, rows = make_inputs(20 + n if backend == "triton" else 10 + n, n, h, top_k, 300,
+                              invalid_rows=(0,) if n > 1 else ())
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend,
+                                 config=_tuning(backend, **cfg_kw))
     assert out.shape == (n, h, 512) and out.dtype == jnp.bfloat16
+    assert lse.shape == (n, h) and lse.dtype == jnp.float32
     assert_close(out, lse, q, kv, rows)
 
 
-def test_tuning_config_rejects_bad_knobs():
-    from pallas_kernels.sparse_mla_mgpu import TuningConfig
+def test_mosaic_tuning_rejects_bad_knobs():
+    from pallas_kernels.sparse_mla_decode.mosaic_gpu import TuningConfig
 
     with pytest.raises(ValueError, match="block_kv"):
         TuningConfig(block_kv=32)
@@ -193,57 +219,38 @@ def test_tuning_config_rejects_bad_knobs():
         TuningConfig(compute_registers=240, producer_registers=64)
 
 
-# ------------------------------------------------- Triton kernel in interpret mode (CPU)
-
-@pytest.mark.parametrize("n, h, top_k, cfg_kw", [
-    (2, 16, 128, {}),                                                  # padded heads
-    (1, 80, 150, {"num_splits": 2, "block_k": 16}),                    # 2 head blocks, splits
-    (2, 16, 100, {"block_k": 16, "prefetch_ids": False, "num_stages": 3}),  # run-2 id loads
-])
-def test_triton_kernel_interpret_matches_float64(n, h, top_k, cfg_kw):
-    from pallas_kernels.triton_kernels import AttentionTuning
-
-    q, kv, rows = make_inputs(20 + n, n, h, top_k, 300, invalid_rows=(0,) if n > 1 else ())
-    cfg = AttentionTuning(interpret=True, **cfg_kw)
-    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="triton", config=cfg)
-    assert out.shape == (n, h, 512) and out.dtype == jnp.bfloat16
-    assert lse.shape == (n, h) and lse.dtype == jnp.float32
-    assert_close(out, lse, q, kv, rows)
-
-
-def test_triton_config_rejects_bad_knobs():
-    from pallas_kernels.triton_kernels import AttentionTuning
-
+def test_triton_tuning_rejects_bad_knobs():
     with pytest.raises(ValueError, match="block_k"):
-        AttentionTuning(block_k=48)
+        tk.AttentionTuning(block_k=48)
     with pytest.raises(ValueError, match="block_h"):
-        AttentionTuning(block_h=128)
+        tk.AttentionTuning(block_h=128)
     with pytest.raises(ValueError, match="num_warps"):
-        AttentionTuning(num_warps=2)
-    AttentionTuning(num_warps=16)                       # 16 warps at 64 heads is a candidate
+        tk.AttentionTuning(num_warps=2)
+    tk.AttentionTuning(num_warps=16)                    # 16 warps at 64 heads is a candidate
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_triton_variants_lower_to_triton():
+    """Every attention candidate of the benchmark lowers (N=64, K=2048, h_q 128 and 16)."""
+    for h in (128, 16):
+        for cfg in {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA}.values():
+            lower_for_cuda(functools.partial(tk.sparse_mla_decode, sm_scale=0.1, tuning=cfg),
+                           sds((64, h, 576), jnp.bfloat16), sds((1 << 16, 576), jnp.bfloat16),
+                           sds((64, 2048)))
 
 
 # ------------------------------------------------------------------ compiled kernel (GPU)
 
 def _gpu_candidates() -> list[str]:
     """Names `backend:variant` of every candidate the benchmark compares."""
-    from pallas_kernels.triton_kernels import ATTENTION_VARIANTS as TRITON
-
-    names = [f"triton:{v}" for v in TRITON]
-    try:
-        from pallas_kernels.sparse_mla_mgpu import VARIANTS as MOSAIC
-    except ImportError:                                  # jax without Mosaic GPU Pallas
-        MOSAIC = {}
-    return [f"mosaic_gpu:{v}" for v in MOSAIC] + names
+    return ([f"mosaic_gpu:{v}" for v in mosaic_variants()]
+            + [f"triton:{v}" for v in ATTENTION_VARIANTS])
 
 
 def _candidate_config(name: str):
     backend, variant = name.split(":")
-    if backend == "triton":
-        from pallas_kernels.triton_kernels import ATTENTION_VARIANTS as VARIANTS
-    else:
-        from pallas_kernels.sparse_mla_mgpu import VARIANTS
-    return backend, VARIANTS[variant]
+    variants = ATTENTION_VARIANTS if backend == "triton" else mosaic_variants()
+    return backend, variants[variant]
 
 
 @pytest.mark.gpu
@@ -269,8 +276,8 @@ def test_kernel_gpu_all_holes_and_multi_query_rows(backend):
     out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend)
     assert out.shape == (2, 2, 128, 512)
     assert_close(out, lse, q, kv, rows)
-    ref = sparse_mla_decode_ref(q.reshape(4, 128, 576), kv.reshape(-1, 576),
-                                rows.reshape(4, 256), sm_scale=SM_SCALE)
+    ref = reference.sparse_mla_decode(q.reshape(4, 128, 576), kv.reshape(-1, 576),
+                                      rows.reshape(4, 256), sm_scale=SM_SCALE)
     err = np.linalg.norm(np.asarray(out, np.float32).reshape(4, 128, 512)
                          - np.asarray(ref[0], np.float32)) / np.linalg.norm(
                              np.asarray(ref[0], np.float32))

@@ -1,23 +1,27 @@
-"""Benchmark of sparse MLA decode attention on the GPU: kernel candidates vs the jnp reference.
+"""sparse_mla_decode benchmark on the GPU: kernel candidates vs the jnp reference.
 
-Run from the repository root: `PYTHONPATH=. python -m bench.bench_sparse_mla`. Under 150 s on
-an H200. Writes `bench/results/sparse_mla-gpu.json` after every measurement (a timeout still
-leaves the figures so far); prints a table last.
+Run from the repository root: `PYTHONPATH=. python3 -m bench.ops.sparse_mla_decode`. Under
+150 s on an H200. Writes `bench/results/sparse_mla_decode-<backend>.json` after every
+measurement (a timeout still leaves the figures so far); prints a table last.
 
-Phase 1 compares the candidates (`CANDIDATES`: the Triton kernel's tuning variants) at N=64
-with h_q=128 and h_q=16, in this process: a candidate that fails to compile or computes wrong
-numbers is reported and the rest still run. Each is checked against the jnp reference. The
-fastest correct candidate is picked per phase-1 h_q (the knobs that suit 64-head blocks need
-not suit 16), and printed last as `BEST_TUNING attention_h<h_q> <variant> <repr>`.
+Phase 1 compares the candidates (`CANDIDATES`: the Triton kernel's tuning variants,
+`ATTENTION_VARIANTS` then the benchmark-only `ATTENTION_SWEEP_EXTRA`) at N=64 with h_q=128
+and h_q=16, in this process: a candidate that fails to compile or computes wrong numbers is
+reported and the rest still run. Each is checked against the jnp reference. The fastest
+correct candidate is picked per phase-1 h_q (the knobs that suit 64-head blocks need not
+suit 16), and printed last as `BEST_TUNING attention_h<h_q> <variant> <repr>`.
 Phase 2 times, for each shape, the winner of the nearest phase-1 h_q and the reference at
 N in {1, 16, 64, 256} x h_q in {16, 128} (then 32 and 64 while the time budget lasts),
-K = 2048.
+K = 2048. The Mosaic GPU kernel (`MOSAIC_VARIANTS`) joins phase 1 only with
+SPARSE_MLA_BENCH_MOSAIC=1 (it is slower and costs ~30 s of compiles).
 
 Timing: one jitted function runs the op on `inner` different input sets (rotated, so the
 selected rows are not all L2-resident and XLA cannot merge the calls); we take the median
 wall-clock time of that function, synchronised with `jax.block_until_ready`, divided by
 `inner`. Launch overhead is amortised, not removed. Ceilings measured in the same run: a
 device-to-device copy (bytes read + written) and a bf16 8192^3 matmul.
+CPU smoke run (tiny shapes, kernels in interpret mode): HISPARSE_BENCH_SMALL=1 (or
+SPARSE_MLA_BENCH_SMOKE=1).
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ import os
 import time
 import traceback
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench._common import time_fn, write_result
+from bench.ops import SMALL
+from hisparse_jax.ops import sparse_mla_decode
+from pallas_kernels import _compat
+from pallas_kernels.sparse_mla_decode.triton import AttentionTuning
+
 SM_SCALE = 1.0 / math.sqrt(192.0)
 WIDTH, V_WIDTH, TOP_K = 576, 512, 2048
 POOL_ROWS = 1 << 19           # 604 MB of bf16 rows: far larger than the 50 MB L2
@@ -35,40 +49,53 @@ HS = (16, 128)
 HS_EXTRA = (32, 64)           # phase 2, only while the budget lasts
 PHASE1_SHAPES = ((64, 128), (64, 16))
 BUDGET_S = 130.0              # stop starting phase-2 shapes after this (whole run < 150 s)
-# Phase 1 candidates, "backend:variant": every Triton variant (ATTENTION_VARIANTS, then the
-# benchmark-only ATTENTION_SWEEP_EXTRA). The Mosaic GPU kernel measured 2.9x slower in run 2
-# (787 vs 275 us) and costs ~30 s of compiles: only with SPARSE_MLA_BENCH_MOSAIC=1.
-def _triton_candidates() -> tuple[str, ...]:
-    from pallas_kernels.triton_kernels import ATTENTION_SWEEP_EXTRA, ATTENTION_VARIANTS
 
-    return tuple(f"triton:{v}" for v in {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA})
+# The Triton kernel's variants the GPU tests and the benchmark compare (the default,
+# `AttentionTuning()`, is bk32_s3). prefetch_ids is on in all of these; 16 warps at 64
+# heads halve the fp32 accumulator's registers per thread.
+ATTENTION_VARIANTS: dict[str, AttentionTuning] = {
+    "bk64_s2": AttentionTuning(block_k=64, num_stages=2),
+    "bk32_s3": AttentionTuning(block_k=32, num_stages=3),
+    "bk64_s2_w16": AttentionTuning(block_k=64, num_stages=2, num_warps=16),
+}
+# Benchmark-only candidates that may not build at every shape: bk64 x 3 stages (2 x 72 KiB
+# of K tiles + Q 72 KiB at 64 heads) may exceed the 227 KiB of shared memory; at 16 heads
+# it fits. The benchmark records a build failure and goes on; the GPU tests skip these.
+# bk64_s2_noprefetch is the kernel without the id prefetch, its baseline.
+ATTENTION_SWEEP_EXTRA: dict[str, AttentionTuning] = {
+    "bk64_s3": AttentionTuning(block_k=64, num_stages=3),
+    "bk64_s2_noprefetch": AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False),
+}
+
+
+def mosaic_variants() -> dict:
+    """The Mosaic GPU kernel's variants (the first is its default), or {} where this jax
+    cannot import the module (the import is guarded: it needs Mosaic GPU Pallas)."""
+    try:
+        from pallas_kernels.sparse_mla_decode.mosaic_gpu import TuningConfig
+    except ImportError:
+        return {}
+    return {
+        "pipelined": TuningConfig(),                              # 2-deep ring, 1 producer WG
+        "no_split": TuningConfig(num_splits=1),                   # one CTA per (row, heads)
+    }
 
 
 CANDIDATES = (("mosaic_gpu:pipelined",) if os.environ.get("SPARSE_MLA_BENCH_MOSAIC") else ()
-              ) + _triton_candidates()
+              ) + tuple(f"triton:{v}" for v in {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA})
 MATMUL_N, COPY_ELEMS = 8192, 1 << 29
-# CPU smoke test of this script (tiny shapes, kernel in interpret mode): SPARSE_MLA_BENCH_SMOKE=1
-SMOKE = bool(os.environ.get("SPARSE_MLA_BENCH_SMOKE"))
+SMOKE = SMALL or bool(os.environ.get("SPARSE_MLA_BENCH_SMOKE"))
 if SMOKE:
     TOP_K, POOL_ROWS, NS, HS, HS_EXTRA = 128, 4096, (1, 2), (16,), ()
     PHASE1_SHAPES, MATMUL_N, COPY_ELEMS = ((2, 16),), 512, 1 << 20
 
 
 def _candidate(name: str):
-    """(backend, config) of a "backend:variant" candidate (interpret mode in SMOKE runs)."""
-    import dataclasses
-
+    """(backend, tuning) of a "backend:variant" candidate."""
     backend, variant = name.split(":")
     if backend == "triton":
-        from pallas_kernels.triton_kernels import ATTENTION_SWEEP_EXTRA, ATTENTION_VARIANTS
-
-        VARIANTS = {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA}
-    else:
-        from pallas_kernels.sparse_mla_mgpu import VARIANTS
-    cfg = VARIANTS[variant]
-    if SMOKE:
-        cfg = dataclasses.replace(cfg, interpret=True)
-    return backend, cfg
+        return backend, {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA}[variant]
+    return backend, mosaic_variants()[variant]
 
 
 def flops(n: int, h: int, k: int = TOP_K) -> float:
@@ -80,8 +107,6 @@ def selected_bytes(n: int, k: int = TOP_K) -> float:
 
 
 def _inputs(key, n, h, inner):
-    import jax
-    import jax.numpy as jnp
 
     kq, kr, kh = jax.random.split(key, 3)
     q = jax.random.normal(kq, (inner, n, h, WIDTH), jnp.bfloat16)
@@ -98,9 +123,6 @@ def _inner_for(n: int, h: int) -> int:
 
 def _timed(fn, q, kv, rows, *, iters=10):
     """Median seconds per op of `fn` mapped over the `inner` leading axis inside one jit."""
-    import jax
-
-    from bench._common import time_fn
 
     inner = q.shape[0]
 
@@ -114,7 +136,6 @@ def _timed(fn, q, kv, rows, *, iters=10):
 
 
 def _rel_err(a, b) -> float:
-    import numpy as np
 
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
@@ -122,8 +143,6 @@ def _rel_err(a, b) -> float:
 
 
 def _ops():
-    from hisparse_jax.attention import sparse_mla_decode
-
     def ref(q, kv, rows):
         return sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="reference")
 
@@ -139,8 +158,6 @@ def _ops():
 
 def run_candidate(name: str, kv, ref, kernel) -> dict:
     """Phase 1 body: check and time one candidate at PHASE1_SHAPES."""
-    import jax
-    import jax.numpy as jnp
 
     result = {"variant": name, "config": repr(_candidate(name)[1]), "shapes": []}
     for n, h in PHASE1_SHAPES:
@@ -198,10 +215,6 @@ def _best_for(best_by_h: dict, h: int) -> str | None:
 
 
 def _ceilings() -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from bench._common import time_fn
 
     n = COPY_ELEMS                                                 # 1 GiB of bf16
     x = jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16)
@@ -220,13 +233,10 @@ def _ceilings() -> dict:
 
 
 def _write(payload: dict) -> str:
-    from bench._common import write_result
-
-    return str(write_result("sparse_mla", payload))
+    return str(write_result("sparse_mla_decode" + ("_smoke" if SMOKE else ""), payload))
 
 
 def _phase2_entry(n, h, best, kv, ref, kernel, ceilings) -> dict:
-    import jax
 
     entry = {"n": n, "h_q": h, "top_k": TOP_K, "variant": best,
              "flops": flops(n, h), "selected_bytes": selected_bytes(n)}
@@ -279,9 +289,6 @@ def _summary(payload: dict, path: str, total_s: float) -> None:
 
 def main() -> None:
     t_start = time.time()
-    import jax
-    import jax.numpy as jnp
-
     ref, kernel = _ops()
     payload = {
         "what": "sparse MLA decode (q [N, h_q, 576] bf16, K=2048 selected rows, v_width 512)",
@@ -299,7 +306,8 @@ def main() -> None:
     path = _write(payload)
     kv = jax.random.normal(jax.random.key(1), (POOL_ROWS, WIDTH), jnp.bfloat16)
     candidates = [c for c in CANDIDATES
-                  if not (SMOKE and c.startswith("mosaic_gpu") and not _mosaic_interpret())]
+                  if not (SMOKE and c.startswith("mosaic_gpu")
+                          and not _compat.mosaic_gpu_interpret_available())]
     for name in candidates:
         payload["phase1_variants"].append(run_candidate(name, kv, ref, kernel))
         path = _write(payload)
@@ -330,14 +338,6 @@ def main() -> None:
         print(f"BEST_TUNING attention_h{h} {v} {_candidate(v)[1]!r}")
     if best is not None:
         print(f"BEST_TUNING attention {best} {_candidate(best)[1]!r}")
-
-
-def _mosaic_interpret() -> bool:
-    try:
-        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""Runs every op benchmark (or the named ones) within a time budget, one process each.
+
+  PYTHONPATH=. python3 -m bench.ops [--budget SECONDS] [op ...]
+
+Each op's module runs as `python3 -m bench.ops.<op>` with a time limit of its share of what
+is left of the budget (at most its `LIMITS` entry); a benchmark that fails or runs out of
+time does not stop the others (each writes its result file after every figure). Prints a
+summary line per op and exits non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+# op -> the most seconds its benchmark may take (the H200 times stay well below).
+LIMITS = {
+    "resolve_residency": 240,
+    "invalidate_written_rows": 90,
+    "gather_compact": 120,
+    "mirror_rows": 90,
+    "sparse_mla_decode": 150,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("ops", nargs="*", help=f"ops to benchmark (default: all of "
+                                          f"{', '.join(LIMITS)})")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for all of them")
+    args = p.parse_args(argv)
+    ops = args.ops or list(LIMITS)
+    unknown = sorted(set(ops) - set(LIMITS))
+    if unknown:
+        p.error(f"unknown ops {unknown}; the ops are {list(LIMITS)}")
+    t_start = time.monotonic()
+    summary, failed = [], False
+    for i, op in enumerate(ops):
+        left = args.budget - (time.monotonic() - t_start)
+        if left < 10:
+            summary.append(f"{op}: skipped (budget spent)")
+            failed = True
+            continue
+        share = sum(LIMITS[o] for o in ops[i:])
+        limit = min(LIMITS[op], left * LIMITS[op] / share if share > left else LIMITS[op])
+        t0 = time.monotonic()
+        print(f"=== bench.ops.{op} (limit {limit:.0f} s)", flush=True)
+        try:
+            rc = subprocess.run([sys.executable, "-m", f"bench.ops.{op}"], timeout=limit,
+                                check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        summary.append(f"{op}: exit {rc} in {time.monotonic() - t0:.0f} s")
+        failed |= rc != 0
+    print("=== summary")
+    print("\n".join(summary))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""gather_compact benchmark: rows from a pinned_host pool into the device cache.
+
+Run on the GPU machine: `PYTHONPATH=. python3 -m bench.ops.gather_compact`. Writes
+`bench/results/gather_compact-<backend>.json`.
+
+  * gather_compact: 2048, 16384 and 65536 rows of 1152 B (576 bf16) from a 604 MB pool, the
+    kernel vs a bulk `jax.device_put` pinned_host -> device of the same bytes (bandwidth
+    ratio; and vs a 1 GiB bulk copy, the large-transfer ceiling) and vs the `compute_on`
+    reference (speed-up); wall time of one public call;
+  * index group: `gather_compact_group` of one swap plan into L=8 layers, one launch vs one
+    launch per layer vs the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hisparse_jax as hj
+from bench._common import time_fn
+from bench.ops import (
+    BLOCK,
+    ROW_BYTES,
+    SMALL,
+    WIDTH,
+    Run,
+    bulk,
+    bulk_1gib_gbps,
+    gbps,
+    rand_bf16,
+    sharding,
+)
+
+HOST, DEVICE = sharding("pinned_host"), sharding("device")
+
+
+def bench_gather(run: Run, rows: int, pool, rng) -> dict[str, Any]:
+    n = max(1, rows // 2048)
+    k = rows // n
+    host_rows = pool.shape[0] * pool.shape[1]
+    num_blocks = max(2 * rows // BLOCK, 64)
+    src = jnp.asarray(rng.choice(host_rows, size=(n, k), replace=False).astype(np.int32))
+    dst = jnp.asarray(rng.permutation(num_blocks * BLOCK)[: n * k].reshape(n, k)
+                      .astype(np.int32))
+    counts = jnp.full((n,), k, jnp.int32)
+    out: dict[str, Any] = {"rows": rows, "row_bytes": ROW_BYTES, "pool_rows": host_rows}
+    for backend in ("triton", "reference"):
+        holder = [jax.device_put(rand_bf16(rng, (num_blocks, BLOCK, WIDTH)), DEVICE)]
+
+        def step(backend=backend, holder=holder):
+            holder[0] = hj.gather_compact(pool, holder[0], src, dst, counts, backend=backend)
+            return holder[0]
+        out[backend] = time_fn(step, iters=20)
+    same_size = bulk(rows * ROW_BYTES, "pinned_host", DEVICE)
+    out["bulk_device_put_host_to_device"] = same_size
+    kernel_gbps = gbps(rows * ROW_BYTES, out["triton"]["median_us"])
+    bulk_gbps = gbps(rows * ROW_BYTES, same_size["median_us"])
+    out.update(
+        kernel_GBps=kernel_gbps, bulk_GBps=bulk_gbps,
+        ratio_to_bulk=kernel_gbps / bulk_gbps,
+        target_ratio_to_bulk=0.8 if rows >= 16384 else 0.5,
+        speedup_vs_reference=out["reference"]["median_us"] / out["triton"]["median_us"])
+    bulk_1g = bulk_1gib_gbps("pinned_host", DEVICE)
+    out.update(bulk_1GiB_GBps=bulk_1g, ratio_to_bulk_1GiB=kernel_gbps / bulk_1g)
+    run.table.append(f"gather {rows:6d} rows: {out['triton']['median_us']:8.1f} us "
+                     f"{kernel_gbps:5.1f} GB/s = {out['ratio_to_bulk']:.2f} x same-size bulk, "
+                     f"{out['ratio_to_bulk_1GiB']:.2f} x 1 GiB bulk {bulk_1g:.1f} GB/s "
+                     f"(target {out['target_ratio_to_bulk']}), "
+                     f"{out['speedup_vs_reference']:.1f}x reference")
+    return out
+
+
+def bench_group(run: Run, layers: int, rng) -> dict[str, Any]:
+    n, k, misses = (2, 64, 8) if SMALL else (64, 2048, 256)
+    host_blocks, num_blocks = (4 if SMALL else 1 << 11), 2 * n * k // BLOCK
+    pools = [jax.device_put(rand_bf16(rng, (host_blocks, BLOCK, WIDTH)), HOST)
+             for _ in range(layers)]
+    src = np.full((n, k), -1, np.int32)
+    dst = np.full((n, k), -1, np.int32)
+    src[:, :misses] = rng.choice(host_blocks * BLOCK, (n, misses), replace=False)
+    dst[:, :misses] = rng.permutation(num_blocks * BLOCK)[: n * misses].reshape(n, misses)
+    src, dst = jnp.asarray(src), jnp.asarray(dst)
+    counts = jnp.full((n,), misses, jnp.int32)
+    out: dict[str, Any] = {"layers": layers, "N": n, "misses_per_row": misses}
+    for name, backend, fused in (("one_launch", "triton", True),
+                                 ("per_layer", "triton", False),
+                                 ("reference", "reference", False)):
+        holder = [tuple(jax.device_put(jnp.zeros((num_blocks, BLOCK, WIDTH), jnp.bfloat16),
+                                       DEVICE) for _ in range(layers))]
+
+        def step(backend=backend, fused=fused, holder=holder):
+            holder[0] = hj.ops.gather_compact_group(pools, holder[0], src, dst, counts,
+                                                    backend=backend, fused=fused)
+            return holder[0]
+        out[name] = time_fn(step, iters=10 if backend == "reference" else 20)
+    out["one_launch_speedup_vs_per_layer"] = (out["per_layer"]["median_us"]
+                                              / out["one_launch"]["median_us"])
+    out["one_launch_speedup_vs_reference"] = (out["reference"]["median_us"]
+                                              / out["one_launch"]["median_us"])
+    run.table.append(f"group L={layers}: one launch {out['one_launch']['median_us']:.0f} us, "
+                     f"per layer {out['per_layer']['median_us']:.0f} us, reference "
+                     f"{out['reference']['median_us']:.0f} us")
+    return out
+
+
+def main() -> None:
+    run = Run("gather_compact", sweep_budget_s=0.0)
+    rng = np.random.default_rng(0)
+    host_blocks = 64 if SMALL else 1 << 13                      # 604 MB of pinned rows
+    holder = [jax.device_put(rand_bf16(rng, (host_blocks, BLOCK, WIDTH)), HOST)]
+    for rows in ((256,) if SMALL else (2048, 16384, 65536)):
+        run.record(f"gather_compact_{rows}_rows",
+                   lambda rows=rows: bench_gather(run, rows, holder[0], rng))
+    holder.clear()                                              # free the pool
+    run.record("index_group_L8", lambda: bench_group(run, 2 if SMALL else 8, rng))
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

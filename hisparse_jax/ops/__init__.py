@@ -1,0 +1,38 @@
+"""The data-plane ops of hisparse-jax: one name per op, one backend registry.
+
+  resolve_residency, Resolution    hot-region lookup + LRU update (`residency.py`)
+  invalidate_written_rows          drop stale hot copies of rewritten rows (`residency.py`)
+  gather_compact                   host pool -> device cache rows, one layer (`copies.py`)
+  gather_compact_group             the same plan into every layer of an index group
+  mirror_rows                      device cache -> host pool rows (`copies.py`)
+  restore_rows                     host -> device rows of the host tier's restores
+  sparse_mla_decode                attention over the selected flat rows (`attention.py`)
+
+Every op validates its arguments before any work (ValueError / TypeError naming the argument
+and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
+or None (the best backend that supports the inputs on a GPU, else "reference"); the rules are
+in `_registry.py`. Semantics of the residency ops: `docs/semantics.md`.
+"""
+
+from hisparse_jax.ops._registry import BACKENDS, registered_backends
+from hisparse_jax.ops.attention import sparse_mla_decode
+from hisparse_jax.ops.copies import (
+    gather_compact,
+    gather_compact_group,
+    mirror_rows,
+    restore_rows,
+)
+from hisparse_jax.ops.residency import Resolution, invalidate_written_rows, resolve_residency
+
+__all__ = [
+    "BACKENDS",
+    "Resolution",
+    "gather_compact",
+    "gather_compact_group",
+    "invalidate_written_rows",
+    "mirror_rows",
+    "registered_backends",
+    "resolve_residency",
+    "restore_rows",
+    "sparse_mla_decode",
+]

@@ -1,0 +1,202 @@
+"""Argument validation shared by the ops: shapes, dtypes, memory kinds and static ints.
+
+Every op validates all its arguments before any work runs and raises a ValueError (or a
+TypeError for a wrong type or dtype) whose message names the argument and the rule.
+Concrete index arrays are checked for values where the rule is about values (state rows);
+traced ones only for shape and dtype.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.state import HotState
+from host_tier.sizes import is_int
+from pallas_kernels import _compat
+
+Q_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_array(name: str, x: Any, *, ndim: int | tuple[int, ...], dtype: Any = None) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.ndim not in ndims:
+        want = " or ".join(str(d) for d in ndims)
+        raise ValueError(f"{name} must have rank {want}, got shape {tuple(x.shape)}")
+    if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(x.dtype).name}")
+
+
+def check_static_int(name: str, value: Any, *, minimum: int) -> int:
+    if not is_int(value):
+        raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_hot_state(state: Any) -> None:
+    if not isinstance(state, HotState):
+        raise TypeError(f"state must be a HotState, got {type(state).__name__}")
+
+
+def check_host_pool(name: str, pool: Any) -> None:
+    if is_concrete(pool):
+        kind = pool.sharding.memory_kind
+        if kind != "pinned_host":
+            raise ValueError(
+                f"{name} must live in pinned_host memory (jax.device_put with a sharding whose "
+                f"memory_kind='pinned_host'; pageable host memory is ~7x slower to copy), got "
+                f"memory_kind={kind!r}")
+    elif not _compat.in_host_memory(pool):
+        raise ValueError(f"{name} must live in pinned_host memory, got a traced array in "
+                         "device memory")
+
+
+def check_same_length(name_a: str, a: Any, name_b: str, b: Any) -> None:
+    check_array(name_a, a, ndim=1, dtype=jnp.int32)
+    check_array(name_b, b, ndim=1, dtype=jnp.int32)
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} {a.shape} and {name_b} {b.shape} must have the same length")
+
+
+# --------------------------------------------------------------------------- residency
+
+
+def validate_resolve(state, topk, state_rows, hot_block_table, source_block_table,
+                     resident_block_table, block_size, host_rows) -> None:
+    check_hot_state(state)
+    check_array("state.slot_rows", state.slot_rows, ndim=2, dtype=jnp.int32)
+    check_array("state.lru", state.lru, ndim=2, dtype=jnp.int16)
+    if state.lru.shape != state.slot_rows.shape:
+        raise ValueError(f"state.lru shape {state.lru.shape} must equal state.slot_rows shape "
+                         f"{state.slot_rows.shape}")
+    num_state_rows, hot = state.slot_rows.shape
+    check_array("topk", topk, ndim=2, dtype=jnp.int32)
+    n, k = topk.shape
+    if k > hot:
+        raise ValueError(f"topk has {k} columns but the hot region holds only H={hot} slots; "
+                         "the rule is top_k <= hot_size")
+    check_array("state_rows", state_rows, ndim=1, dtype=jnp.int32)
+    if state_rows.shape[0] != n:
+        raise ValueError(f"state_rows has {state_rows.shape[0]} entries but topk has N={n} rows")
+    block_size = check_static_int("block_size", block_size, minimum=1)
+    check_static_int("host_rows", host_rows, minimum=0)
+    need = -(-hot // block_size)
+    check_array("hot_block_table", hot_block_table, ndim=2, dtype=jnp.int32)
+    if hot_block_table.shape[0] != n or hot_block_table.shape[1] < need:
+        raise ValueError(f"hot_block_table must be [N={n}, >= ceil(H/B)={need}], got "
+                         f"{tuple(hot_block_table.shape)}")
+    for name, table in (("source_block_table", source_block_table),
+                        ("resident_block_table", resident_block_table)):
+        if table is None and name == "resident_block_table":
+            continue
+        check_array(name, table, ndim=2, dtype=jnp.int32)
+        if table.shape[0] != n or table.shape[1] < 1:
+            raise ValueError(f"{name} must be [N={n}, >= 1], got {tuple(table.shape)}")
+    if is_concrete(state_rows):
+        rows = np.asarray(state_rows)
+        live = rows[rows >= 0]
+        if live.size and live.max() >= num_state_rows:
+            raise ValueError(f"state_rows must be < max_num_reqs={num_state_rows} (or < 0 for "
+                             f"padding), got {int(live.max())}")
+        if np.unique(live).size != live.size:
+            raise ValueError("state_rows must not repeat a state row within one batch")
+
+
+def validate_invalidate(state, state_rows_per_token, written_rows) -> None:
+    check_hot_state(state)
+    check_same_length("state_rows_per_token", state_rows_per_token, "written_rows",
+                      written_rows)
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def validate_swap_plan(swap_src, swap_dst, swap_counts) -> None:
+    check_array("swap_src", swap_src, ndim=2, dtype=jnp.int32)
+    check_array("swap_dst", swap_dst, ndim=2, dtype=jnp.int32)
+    check_array("swap_counts", swap_counts, ndim=1, dtype=jnp.int32)
+    if swap_dst.shape != swap_src.shape:
+        raise ValueError(f"swap_dst shape {swap_dst.shape} must equal swap_src shape "
+                         f"{swap_src.shape}")
+    if swap_counts.shape[0] != swap_src.shape[0]:
+        raise ValueError(f"swap_counts has {swap_counts.shape[0]} entries but swap_src has "
+                         f"N={swap_src.shape[0]} rows")
+
+
+def validate_pool_and_cache(host_pool, kv_cache) -> None:
+    check_array("kv_cache", kv_cache, ndim=3)
+    check_array("host_pool", host_pool, ndim=(2, 3))
+    check_host_pool("host_pool", host_pool)
+    if _compat.in_host_memory(kv_cache):
+        raise ValueError("kv_cache must live in device memory, got a host-memory array")
+    if host_pool.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"row_width mismatch: host_pool rows are {host_pool.shape[-1]} wide, "
+                         f"kv_cache rows {kv_cache.shape[-1]}")
+    if host_pool.dtype != kv_cache.dtype:
+        raise TypeError(f"host_pool dtype {host_pool.dtype} must equal kv_cache dtype "
+                        f"{kv_cache.dtype}")
+
+
+def validate_group(host_pools, kv_caches) -> None:
+    if len(host_pools) != len(kv_caches):
+        raise ValueError(f"host_pools has {len(host_pools)} layers but kv_caches has "
+                         f"{len(kv_caches)}")
+    for i, (pool, cache) in enumerate(zip(host_pools, kv_caches, strict=True)):
+        try:
+            validate_pool_and_cache(pool, cache)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"layer {i}: {e}") from None
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def validate_attention(q: Any, kv_cache: Any, attention_rows: Any, sm_scale: Any,
+                       v_width: Any) -> None:
+    for name, x in (("q", q), ("kv_cache", kv_cache), ("attention_rows", attention_rows)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in Q_DTYPES]:
+        raise TypeError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    if q.ndim not in (3, 4):
+        raise ValueError(
+            f"q must be [N, h_q, D] or, for the multi-query-row form, [N, s_q, h_q, D]; "
+            f"got shape {tuple(q.shape)}")
+    if jnp.dtype(kv_cache.dtype) != jnp.dtype(q.dtype):
+        raise TypeError(f"kv_cache dtype must equal q's dtype {q.dtype}, got {kv_cache.dtype}")
+    if kv_cache.ndim not in (2, 3):
+        raise ValueError(
+            f"kv_cache must be [num_blocks, B, D] (or flat rows [R, D]), got shape "
+            f"{tuple(kv_cache.shape)}")
+    width = q.shape[-1]
+    if kv_cache.shape[-1] != width:
+        raise ValueError(f"kv_cache row width {kv_cache.shape[-1]} != q width {width}")
+    if jnp.dtype(attention_rows.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(f"attention_rows must be int32, got {attention_rows.dtype}")
+    lead = tuple(q.shape[:-2])  # (N,) or (N, s_q)
+    form = "[N, K]" if q.ndim == 3 else "[N, s_q, K]"
+    if attention_rows.ndim != len(lead) + 1 or tuple(attention_rows.shape[:-1]) != lead:
+        raise ValueError(
+            f"attention_rows must be int32 {form} with leading dims {lead} equal to q's, got "
+            f"shape {tuple(attention_rows.shape)}")
+    if attention_rows.shape[-1] < 1:
+        raise ValueError("attention_rows must select at least one entry per row (K >= 1)")
+    if not is_int(v_width) or not 0 < v_width <= width:
+        raise ValueError(f"v_width must be an int in [1, {width}] (the row width), got {v_width!r}")
+    if isinstance(sm_scale, jax.Array) or not isinstance(sm_scale, numbers.Real) \
+            or isinstance(sm_scale, bool):
+        raise TypeError(f"sm_scale must be a Python float (static), got {type(sm_scale).__name__}")
+    if not (np.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a finite positive float, got {sm_scale!r}")

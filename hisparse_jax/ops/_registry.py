@@ -1,0 +1,134 @@
+"""The one backend registry of the data-plane ops: op -> {backend: kernel module}.
+
+Vocabulary (`BACKENDS`): "reference" (the jnp definition, any platform), "triton" (a Pallas
+kernel through the Triton lowering), "mosaic_gpu" (a Pallas Mosaic GPU kernel). Each
+implementation is the function named after the op in a `pallas_kernels/<op folder>/<backend>.py`
+module; a kernel module also has `supports(*args, **kwargs) -> str | None` (None: it can run
+these inputs, else the reason), called with the arguments of the function and `interpret`.
+Modules are imported on first use: `mosaic_gpu.py` needs a jax with Mosaic GPU Pallas.
+
+`select(op, backend, *args, **kwargs)` picks the backend a call runs:
+  * None: on a GPU, the first backend of the op's preference order whose `supports` accepts
+    the inputs; off a GPU (or when none does), "reference";
+  * a name: that backend, or ValueError with the reason it cannot run the inputs (or that the
+    op has no such backend); an unknown name is a ValueError listing `BACKENDS`;
+  * "pallas" (the former name of the Triton data-plane kernels) is accepted as a deprecated
+    alias of "triton" (DeprecationWarning).
+Off a GPU, kernels run in Pallas interpret mode (`implementation(...)` binds `interpret`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from pallas_kernels import _compat
+
+BACKENDS: tuple[str, ...] = ("reference", "triton", "mosaic_gpu")
+_DEPRECATED_ALIASES = {"pallas": "triton"}
+
+# op -> (pallas_kernels folder, registered backends). The entry function of each module is
+# named after the op (gather_compact_group lives beside gather_compact).
+_OPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "resolve_residency": ("resolve_residency", ("reference", "triton")),
+    "invalidate_written_rows": ("invalidate_written_rows", ("reference", "triton")),
+    "gather_compact": ("gather_compact", ("reference", "triton")),
+    "gather_compact_group": ("gather_compact", ("reference", "triton")),
+    "mirror_rows": ("mirror_rows", ("reference", "triton")),
+    "sparse_mla_decode": ("sparse_mla_decode", ("reference", "triton", "mosaic_gpu")),
+}
+
+# What `backend=None` tries on a GPU, in order ("reference" always runs). The Mosaic GPU
+# attention kernel is registered but opt-in: the Triton one is faster
+# (`bench/NOTES-sparse_mla.md`).
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "resolve_residency": ("triton", "reference"),
+    "invalidate_written_rows": ("triton", "reference"),
+    "gather_compact": ("triton", "reference"),
+    "gather_compact_group": ("triton", "reference"),
+    "mirror_rows": ("triton", "reference"),
+    "sparse_mla_decode": ("triton", "reference"),
+}
+
+
+def ops() -> tuple[str, ...]:
+    """Every registered op name."""
+    return tuple(_OPS)
+
+
+def registered_backends(op: str) -> tuple[str, ...]:
+    """The backends registered for `op`, in `BACKENDS` order."""
+    return _OPS[op][1]
+
+
+def normalize(backend: str | None) -> str | None:
+    """`backend` in the vocabulary (the "pallas" alias mapped, with a DeprecationWarning);
+    ValueError listing `BACKENDS` for an unknown name."""
+    if backend is None:
+        return None
+    if isinstance(backend, str) and backend in _DEPRECATED_ALIASES:
+        new = _DEPRECATED_ALIASES[backend]
+        warnings.warn(f"backend={backend!r} is deprecated; use backend={new!r}",
+                      DeprecationWarning, stacklevel=4)
+        return new
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
+
+
+@functools.cache
+def module(op: str, backend: str) -> ModuleType:
+    """The module holding `op`'s `backend` implementation (imported on first use)."""
+    folder, backends = _OPS[op]
+    if backend not in backends:
+        raise ValueError(f"backend={backend!r} has no implementation of {op}; its backends "
+                         f"are {backends}")
+    return importlib.import_module(f"pallas_kernels.{folder}.{backend}")
+
+
+def unsupported(op: str, backend: str, *args: Any, **kwargs: Any) -> str | None:
+    """None when `backend` can run `op` on these inputs (the op's arguments, arrays or
+    `jax.ShapeDtypeStruct`s, validated), else the reason it cannot."""
+    try:
+        mod = module(op, backend)
+    except ImportError as e:
+        return f"the {backend} implementation of {op} does not import on jax " \
+               f"{'.'.join(map(str, _compat.JAX_VERSION))}: {e}"
+    supports = getattr(mod, "supports", None)
+    if supports is None:                              # the references run every input
+        return None
+    return supports(*args, interpret=not _compat.has_gpu(), **kwargs)
+
+
+def select(op: str, backend: str | None, *args: Any, **kwargs: Any) -> str:
+    """The backend that runs `op` on these inputs (rules in the module docstring)."""
+    if op not in _OPS:
+        raise KeyError(f"no op {op!r}; the ops are {ops()}")
+    backend = normalize(backend)
+    if backend is None:
+        if not _compat.has_gpu():
+            return "reference"
+        for candidate in PREFERENCE[op]:
+            if unsupported(op, candidate, *args, **kwargs) is None:
+                return candidate
+        return "reference"
+    if backend not in registered_backends(op):
+        raise ValueError(f"backend={backend!r} has no implementation of {op}; its backends "
+                         f"are {registered_backends(op)}")
+    reason = unsupported(op, backend, *args, **kwargs)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run these inputs of {op}: {reason}")
+    return backend
+
+
+def implementation(op: str, backend: str) -> Callable[..., Any]:
+    """The function that runs `op` on `backend` (a name `select` returned): the reference
+    itself, or the kernel with `interpret` bound (True off the GPU)."""
+    fn = getattr(module(op, backend), op)
+    if backend == "reference":
+        return fn
+    return functools.partial(fn, interpret=not _compat.has_gpu())

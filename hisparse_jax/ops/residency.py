@@ -1,0 +1,117 @@
+"""The residency ops: `resolve_residency` (+ its `Resolution`) and `invalidate_written_rows`.
+
+Both are pure (hot state in, hot state out) and jit once per shape; `backend=` picks the
+implementation through `hisparse_jax.ops._registry` (None: the Triton kernel on a GPU, the
+jnp reference elsewhere). Semantics: `docs/semantics.md`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hisparse_jax.ops import _checks, _registry
+from hisparse_jax.state import HotState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """Output of `resolve_residency` for a batch of N rows with K selected positions.
+
+    Attributes:
+      attention_rows: int32[N, K], flat device row to attend per column, -1 = masked.
+      valid_counts: int32[N], columns with a resident or host row.
+      swap_src: int32[N, K], host row of miss m (compacted), -1 past swap_counts.
+      swap_dst: int32[N, K], device row that miss m is copied to, -1 past swap_counts
+        (and -1 for a miss that met an out-of-range LRU slot id).
+      swap_counts: int32[N], misses per row.
+      num_hits: int32[N], hot-region hits per row.
+    """
+
+    attention_rows: jax.Array
+    valid_counts: jax.Array
+    swap_src: jax.Array
+    swap_dst: jax.Array
+    swap_counts: jax.Array
+    num_hits: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "backend"))
+def _resolve(state, topk, state_rows, hot_block_table, source_block_table,
+             resident_block_table, *, block_size, host_rows, backend):
+    (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits, slot_rows,
+     lru) = _registry.implementation("resolve_residency", backend)(
+        state.slot_rows, state.lru, topk, state_rows, hot_block_table, source_block_table,
+        resident_block_table, block_size=block_size, host_rows=host_rows)
+    return (Resolution(attention_rows, valid_counts, swap_src, swap_dst, swap_counts,
+                       num_hits), HotState(slot_rows, lru))
+
+
+def resolve_residency(
+    state: HotState,
+    topk: jax.Array,
+    *,
+    state_rows: jax.Array,
+    hot_block_table: jax.Array,
+    source_block_table: jax.Array,
+    resident_block_table: jax.Array | None = None,
+    block_size: int,
+    host_rows: int,
+    backend: str | None = None,
+) -> tuple[Resolution, HotState]:
+    """Maps each selected position to a device row, updating the hot-region LRU.
+
+    Args:
+      state: the hot state (slot_rows int32[S, H], lru int16[S, H]).
+      topk: int32[N, K] selected logical positions per batch row (-1 = none), K <= H; valid
+        host rows must be unique within a row.
+      state_rows: int32[N], hot-state row of each batch row; -1 marks a padding row; the live
+        ones distinct and < S.
+      hot_block_table: int32[N, >= ceil(H/B)], device blocks of each row's hot region.
+      source_block_table: int32[N, Ms], host blocks of each row's request (0 = null).
+      resident_block_table: int32[N, Mr] or None, still-resident device blocks (0 = none).
+      block_size: B, static. host_rows: rows of the host pool (a Python int, passed as a
+        traced scalar so a pool resize does not recompile); g >= host_rows is -1.
+      backend: "reference", "triton" or None (see `hisparse_jax.ops._registry`).
+    Returns:
+      (Resolution, new HotState); exact semantics in `docs/semantics.md`.
+    """
+    _checks.validate_resolve(state, topk, state_rows, hot_block_table, source_block_table,
+                             resident_block_table, block_size, host_rows)
+    backend = _registry.select(
+        "resolve_residency", backend, state.slot_rows, state.lru, topk, state_rows,
+        hot_block_table, source_block_table, resident_block_table, block_size=block_size,
+        host_rows=host_rows)
+    return _resolve(state, topk, state_rows, hot_block_table, source_block_table,
+                    resident_block_table, block_size=int(block_size),
+                    host_rows=jnp.int32(host_rows), backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _invalidate(state, state_rows_per_token, written_rows, *, backend):
+    slot_rows = _registry.implementation("invalidate_written_rows", backend)(
+        state.slot_rows, state_rows_per_token, written_rows)
+    return HotState(slot_rows, state.lru)
+
+
+def invalidate_written_rows(
+    state: HotState,
+    state_rows_per_token: jax.Array,
+    written_rows: jax.Array,
+    *,
+    backend: str | None = None,
+) -> HotState:
+    """Drops hot copies of host rows that were just rewritten.
+
+    state_rows_per_token, written_rows: int32[T]. For each token with written host row
+    w >= 0 of state row s (0 <= s < S), every slot of slot_rows[s] equal to w becomes -1;
+    the LRU order is unchanged.
+    """
+    _checks.validate_invalidate(state, state_rows_per_token, written_rows)
+    backend = _registry.select("invalidate_written_rows", backend, state.slot_rows,
+                               state_rows_per_token, written_rows)
+    return _invalidate(state, state_rows_per_token, written_rows, backend=backend)

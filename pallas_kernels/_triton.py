@@ -1,0 +1,126 @@
+"""Helpers shared by the kernels that lower through Pallas' Triton backend.
+
+Why these kernels use the Triton lowering and not Mosaic GPU (the backend JAX develops):
+  * the row copies (`gather_compact`, `mirror_rows`) read or write the `pinned_host` pool from
+    inside the kernel (zero-copy over PCIe). A Mosaic GPU kernel refuses a host operand ("src
+    must be a GMEM reference, got Ref<MemorySpace.Host>"); the Triton lowering takes the host
+    buffer's address as it takes any other;
+  * `resolve_residency` and `invalidate_written_rows` need vector-index gathers and scatters
+    (table lookups, compaction by rank). Mosaic GPU has no vector-index gather on Hopper (only
+    row-at-a-time copies with a scalar start), and its atomics return nothing;
+  * `sparse_mla_decode` gathers selected rows as [block_k, 512] tiles with vector loads; the
+    Mosaic GPU kernel (`sparse_mla_decode/mosaic_gpu.py`) must move each row as 9 separate
+    TMA copies. Their measured figures are in `bench/NOTES-sparse_mla.md`.
+When Triton leaves Pallas, the `triton.py` modules are the ones to replace; the jnp
+references stay as the fallback behind the same op interface.
+
+Conventions of every Triton kernel here:
+  * operands are whole refs (`memory_space=pl.ANY`, `ANY` below), indexed with broadcast
+    integer arrays (`ref.at[rows[:, None], cols[None, :]]`), never array-plus-slice: the
+    interpreter (CPU tests) cannot discharge a mix of the two;
+  * every in-kernel array has a power-of-two size (a Triton rule): a 576-wide MLA row moves
+    as 512 + 64 (`row_pieces`), index vectors are padded to a power of two and masked;
+  * a masked-off lane gets an out-of-range, non-negative index, so a masked store is dropped
+    by the interpreter too (a negative index would wrap to the last row there);
+  * each call goes through `_compat.quiet_triton_call`, whose lowering rule is the only place
+    the `jax-pallas-triton` deprecation warning is silenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+ANY = pl.BlockSpec(memory_space=pl.ANY)
+TARGET_PROGRAMS = 2 * 132            # two waves of an H200's 132 SMs
+
+
+def pow2_ceil(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def row_pieces(width: int, max_piece: int) -> tuple[tuple[int, int], ...]:
+    """(start, size) column pieces of a row, each size a power of two <= max_piece.
+
+    576 -> ((0, 512), (512, 64)); 2048 with max_piece 512 -> four pieces of 512.
+    """
+    pieces, start = [], 0
+    while start < width:
+        size = min(max_piece, 1 << ((width - start).bit_length() - 1))
+        pieces.append((start, size))
+        start += size
+    return tuple(pieces)
+
+
+def compiler_params(num_warps: int, num_stages: int = 1) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# --------------------------------------------------------------------------- row copies
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyTuning:
+    """Knobs of the row-copy kernels (`gather_compact`, `mirror_rows`).
+
+    rows_per_program: rows one program moves (a power of two); None picks from the size.
+    num_warps: warps per program. max_piece: widest power-of-two column piece per load.
+    """
+
+    rows_per_program: int | None = None
+    num_warps: int = 4
+    max_piece: int = 512
+
+
+def rows_per_program(total_rows: int, tuning: CopyTuning) -> int:
+    """`tuning.rows_per_program`, or the largest of 16, 8, 4, 2 that still gives about
+    `TARGET_PROGRAMS` programs for `total_rows` rows."""
+    if tuning.rows_per_program is not None:
+        return tuning.rows_per_program
+    rows = 16
+    while rows > 2 and -(-total_rows // rows) < TARGET_PROGRAMS:
+        rows //= 2
+    return rows
+
+
+def _row_index(ref_ndim: int, rows: jax.Array, block: int) -> tuple[jax.Array, ...]:
+    """Index arrays [R, 1] addressing flat rows of a [rows, W] or [blocks, B, W] ref."""
+    rows = rows[:, None]
+    if ref_ndim == 2:
+        return (rows,)
+    return (rows // block, rows % block)
+
+
+def copy_rows(src_ref, src_rows, dst_ref, dst_rows, *, load_mask, store_mask, pieces,
+              src_block, dst_block) -> None:
+    """Inside a kernel: dst rows := src rows, piece by piece; lanes off `load_mask` read 0,
+    lanes off `store_mask` write nothing.
+
+    src_ref / dst_ref: [rows, W] or [blocks, B, W] refs (`src_block` / `dst_block` = B, or 1
+    for 2-D refs); src_rows / dst_rows: int32[R] flat rows, already out of range (and
+    non-negative) where masked; pieces: `row_pieces` of W.
+    """
+    src_idx = _row_index(len(src_ref.shape), src_rows, src_block)
+    dst_idx = _row_index(len(dst_ref.shape), dst_rows, dst_block)
+    nrows = src_rows.shape[0]
+    for start, size in pieces:
+        cols = (start + jnp.arange(size, dtype=jnp.int32))[None, :]
+        shape = (nrows, size)
+        vals = plgpu.load(src_ref.at[(*src_idx, cols)],
+                          mask=jnp.broadcast_to(load_mask[:, None], shape), other=0)
+        plgpu.store(dst_ref.at[(*dst_idx, cols)], vals.astype(dst_ref.dtype),
+                    mask=jnp.broadcast_to(store_mask[:, None], shape))
+
+
+def block_of(ref_shape: tuple[int, ...]) -> int:
+    """Rows per block of a [rows, W] (1) or [blocks, B, W] (B) array."""
+    return ref_shape[1] if len(ref_shape) == 3 else 1

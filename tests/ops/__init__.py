@@ -1,0 +1,73 @@
+"""Tests of the data-plane ops, one file per op; each test body runs once per backend.
+
+Off the GPU every kernel runs in the Pallas interpreter (small shapes, few distinct shapes so
+that each compiles once); on the GPU the same tests run compiled, and the `gpu`-marked ones
+add realistic sizes (K=2048, H=4096, 576-wide bf16 rows, pinned_host pools). Kernel outputs
+are poisoned before each run so an entry a kernel forgets to write shows: fresh outputs start
+at a poison value, in-place outputs (caches, pools, slot tables) start as random data whose
+untouched rows must survive bit for bit. Shared helpers live here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import settings
+
+from hisparse_jax import ops
+from pallas_kernels import _compat
+
+INTERPRET = not _compat.has_gpu()
+POISON = -77_777
+
+
+def backends(op: str) -> list:
+    """pytest params: every backend registered for `op`; mosaic_gpu is skipped off the GPU
+    where this jax has no Mosaic GPU interpret mode."""
+    params = []
+    for name in ops.registered_backends(op):
+        marks = ()
+        if name == "mosaic_gpu" and INTERPRET and not _compat.mosaic_gpu_interpret_available():
+            marks = pytest.mark.skip(reason="Mosaic GPU interpret mode needs jax >= 0.11")
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def examples(share: float) -> int:
+    """A share of the active hypothesis profile's examples (ci: 60, long: 2000)."""
+    return max(3, int(settings.default.max_examples * share))
+
+
+def to_host(x):
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                               memory_kind="pinned_host"))
+
+
+def bits(x) -> np.ndarray:
+    """Array contents as integers, so bf16 compares bit for bit (NaN poison included)."""
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def random_rows(rng, shape, dtype=jnp.bfloat16):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def sds(shape, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """The StableHLO of `jit(fn)(*args)` exported for CUDA from this CPU machine, through
+    `_compat.lower_for_cuda` (the whole Pallas -> Triton IR lowering: a non-power-of-two shape
+    or a primitive the Triton backend lacks fails here, in CI, rather than on the GPU).
+    Skips on a GPU (the GPU tests compile for real) or where jax's internals moved."""
+    if _compat.has_gpu():
+        pytest.skip("the GPU tests compile for real")
+    text = _compat.lower_for_cuda(fn, *args)
+    if text is None:
+        pytest.skip("this jax's Pallas Triton internals moved")
+    assert "__gpu$xla.gpu.triton" in text
+    return text

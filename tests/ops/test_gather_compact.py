@@ -1,0 +1,301 @@
+"""gather_compact and gather_compact_group: every backend against the numpy oracle (poisoned
+caches, odd widths, both pool layouts), validation, the kernel's CUDA lowering and the
+GPU-scale runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hisparse_jax as hs
+from hisparse_jax.ops import gather_compact_group
+from pallas_kernels._triton import CopyTuning, row_pieces
+from pallas_kernels.gather_compact import reference
+from pallas_kernels.gather_compact import triton as tk
+from tests.ops import (
+    INTERPRET,
+    backends,
+    bits,
+    examples,
+    lower_for_cuda,
+    random_rows,
+    sds,
+    to_host,
+)
+from tests.oracle import oracle_gather
+
+BACKENDS = backends("gather_compact")
+W = 16
+NAMES = ("attention_rows", "valid_counts", "swap_src", "swap_dst", "swap_counts", "num_hits")
+
+
+def make_pool(rng, rows, pinned_host, dtype=np.float32):
+    data = rng.standard_normal((rows, W)).astype(dtype)
+    return data, jax.device_put(data, pinned_host)
+
+
+def random_plan(rng, n, k, host_rows, cache_rows):
+    """A plan with garbage past swap_counts (a correct op must ignore it)."""
+    swap_src = np.full((n, k), -1, np.int32)
+    swap_dst = np.full((n, k), -1, np.int32)
+    counts = rng.integers(0, k + 1, size=n).astype(np.int32)
+    dst_all = rng.permutation(cache_rows + 8)[: n * k] - 4        # some out of the cache
+    for r in range(n):
+        c = counts[r]
+        swap_src[r, :c] = rng.integers(-2, host_rows + 3, size=c)  # some < 0, some >= pool
+        swap_dst[r, :c] = dst_all[r * k: r * k + c]
+        # Past swap_counts: garbage a correct op must ignore.
+        swap_src[r, c:] = rng.integers(0, host_rows, size=k - c)
+        swap_dst[r, c:] = rng.integers(0, cache_rows, size=k - c)
+    return swap_src, swap_dst, counts
+
+
+def swap_plan(rng, n, k, host_rows, cache_rows):
+    """A random plan: distinct destinations (some out of the cache), sources that include
+    -1, rows past the pool (zero-filled) and entries past swap_counts."""
+    dst = (rng.permutation(cache_rows + 8)[: n * k] - 4).reshape(n, k).astype(np.int32)
+    src = rng.integers(-2, host_rows + 6, size=(n, k)).astype(np.int32)
+    counts = rng.integers(0, k + 1, size=n).astype(np.int32)
+    return src, dst, counts
+
+
+# --------------------------------------------------------------------------- every backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_matches_numpy(backend, seed, pinned_host):
+    rng = np.random.default_rng(seed)
+    host_rows, blocks, b = 50, 12, 4
+    pool_np, pool = make_pool(rng, host_rows, pinned_host)
+    cache_np = rng.standard_normal((blocks, b, W)).astype(np.float32)
+    plan = random_plan(rng, 3, 8, host_rows, blocks * b)
+    want = oracle_gather(pool_np, cache_np, *plan)
+    got = hs.gather_compact(pool, jnp.asarray(cache_np), *map(jnp.asarray, plan),
+                            backend=backend)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert got.sharding.memory_kind == "device"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pool_blocks", [False, True], ids=["pool2d", "pool3d"])
+@settings(max_examples=examples(0.15))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_bf16_rows_poisoned_cache(backend, pool_blocks, seed):
+    """576-wide bf16 rows into a cache of random rows that must survive bit for bit, the
+    same against the oracle and against the reference backend."""
+    rng = np.random.default_rng(seed)
+    n, k, block, width, num_blocks, host_rows = 3, 8, 4, 576, 8, 48
+    pool_np = random_rows(rng, (host_rows, width))
+    cache_np = random_rows(rng, (num_blocks, block, width))      # poison: random rows
+    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
+    want = oracle_gather(pool_np, cache_np, src, dst, counts)
+    pool = to_host(pool_np.reshape(host_rows // block, block, width) if pool_blocks else pool_np)
+    got = hs.gather_compact(pool, jnp.asarray(cache_np), jnp.asarray(src), jnp.asarray(dst),
+                            jnp.asarray(counts), backend=backend)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    ref = hs.gather_compact(pool, jnp.asarray(cache_np), jnp.asarray(src), jnp.asarray(dst),
+                            jnp.asarray(counts), backend="reference")
+    np.testing.assert_array_equal(bits(got), bits(ref))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accepts_paged_pool_and_zero_fills_past_pool(backend, pinned_host):
+    rng = np.random.default_rng(1)
+    pool_np = rng.standard_normal((5, 4, W)).astype(np.float32)     # [host_blocks, B, W]
+    pool = jax.device_put(pool_np, pinned_host)
+    cache = jnp.full((3, 4, W), 7.0, jnp.float32)
+    src = jnp.array([[2, 19, 20]], jnp.int32)                        # 20 >= host_rows
+    dst = jnp.array([[0, 1, 2]], jnp.int32)
+    got = np.asarray(hs.gather_compact(pool, cache, src, dst, jnp.array([3], jnp.int32),
+                                       backend=backend))
+    flat = got.reshape(-1, W)
+    np.testing.assert_array_equal(flat[0], pool_np.reshape(-1, W)[2])
+    np.testing.assert_array_equal(flat[1], pool_np.reshape(-1, W)[19])
+    np.testing.assert_array_equal(flat[2], 0.0)
+    np.testing.assert_array_equal(flat[3:], 7.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restore_rows_is_one_packed_batch_row(backend, pinned_host):
+    """restore_rows: live entries packed at the front, -1 padding ignored."""
+    rng = np.random.default_rng(2)
+    pool_np, pool = make_pool(rng, 20, pinned_host)
+    cache_np = rng.standard_normal((3, 4, W)).astype(np.float32)
+    host_rows = jnp.array([4, 17, 0, -1, -1], jnp.int32)
+    device_rows = jnp.array([11, 2, 5, -1, -1], jnp.int32)
+    got = hs.ops.restore_rows(pool, jnp.asarray(cache_np), host_rows, device_rows,
+                              backend=backend)
+    want = cache_np.reshape(-1, W).copy()
+    want[[11, 2, 5]] = pool_np[[4, 17, 0]]
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1, W), want)
+
+
+# --------------------------------------------------------------------------- index group
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "per_layer"])
+def test_group_replays_plan_on_every_layer(backend, fused):
+    rng = np.random.default_rng(11)
+    n, k, block, width, num_blocks, host_rows, layers = 2, 8, 4, 576, 8, 48, 3
+    pools = [random_rows(rng, (host_rows, width)) for _ in range(layers)]
+    caches = [random_rows(rng, (num_blocks, block, width)) for _ in range(layers)]
+    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
+    got = gather_compact_group([to_host(p) for p in pools], [jnp.asarray(c) for c in caches],
+                               jnp.asarray(src), jnp.asarray(dst), jnp.asarray(counts),
+                               backend=backend, fused=fused)
+    assert len(got) == layers
+    for pool, cache, out in zip(pools, caches, got, strict=True):
+        np.testing.assert_array_equal(bits(out),
+                                      bits(oracle_gather(pool, cache, src, dst, counts)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resolve_then_group_gather_equals_reference_per_layer(backend):
+    """The leader's resolve, then its plan replayed on every layer (the index-group decode
+    step), equals the reference resolve and the reference gather of each layer."""
+    rng = np.random.default_rng(5)
+    k, hot, block, width = 8, 12, 4, 64
+    cfg = hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=block, max_num_reqs=2,
+                            row_width=width)
+    pools_np = [random_rows(rng, (64, width)) for _ in range(2)]
+    caches_np = [random_rows(rng, (8, block, width)) for _ in range(2)]
+    kw = dict(state_rows=jnp.array([0, -1], jnp.int32),
+              hot_block_table=jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32),
+              source_block_table=jnp.array([[3, 4], [5, 6]], jnp.int32),
+              block_size=block, host_rows=64)
+    topk = jnp.array([[0, 5, 2, 7, -1, 3, 1, 6], [0, 1, 2, 3, 4, 5, 6, 7]], jnp.int32)
+    res, _ = hs.resolve_residency(hs.init_hot_state(cfg), topk, backend=backend, **kw)
+    caches = gather_compact_group([to_host(p) for p in pools_np],
+                                  [jnp.asarray(c) for c in caches_np], res.swap_src,
+                                  res.swap_dst, res.swap_counts, backend=backend)
+    ref, _ = hs.resolve_residency(hs.init_hot_state(cfg), topk, backend="reference", **kw)
+    for name in NAMES:
+        np.testing.assert_array_equal(np.asarray(getattr(res, name)),
+                                      np.asarray(getattr(ref, name)), name)
+    for pool, cache, out in zip(pools_np, caches_np, caches, strict=True):
+        want = reference.gather_compact(jnp.asarray(pool), jnp.asarray(cache), ref.swap_src,
+                                        ref.swap_dst, ref.swap_counts)
+        np.testing.assert_array_equal(bits(out), bits(want))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_validation_errors(pinned_host, on_device):
+    pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)
+    cache = jnp.zeros((2, 4, W), jnp.float32)
+    plan = (jnp.zeros((1, 2), jnp.int32),) * 2 + (jnp.zeros((1,), jnp.int32),)
+    with pytest.raises(ValueError, match="must live in pinned_host.*memory_kind=.device."):
+        hs.gather_compact(jax.device_put(np.zeros((8, W), np.float32), on_device), cache,
+                          *plan)
+    unpinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="unpinned_host")
+    with pytest.raises(ValueError, match="memory_kind='unpinned_host'"):
+        hs.gather_compact(jax.device_put(np.zeros((8, W), np.float32), unpinned), cache, *plan)
+    with pytest.raises(ValueError, match="row_width mismatch"):
+        hs.gather_compact(jax.device_put(np.zeros((8, 8), np.float32), pinned_host), cache,
+                          *plan)
+    with pytest.raises(TypeError, match="host_pool dtype"):
+        hs.gather_compact(jax.device_put(np.zeros((8, W), np.float16), pinned_host), cache,
+                          *plan)
+    with pytest.raises(TypeError, match="swap_src must be int32"):
+        hs.gather_compact(pool, cache, plan[0].astype(jnp.float32), *plan[1:])
+    with pytest.raises(ValueError, match="swap_counts has 2 entries"):
+        hs.gather_compact(pool, cache, *plan[:2], jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="host_pools has 1 layers but kv_caches has 2"):
+        gather_compact_group([pool], [cache, cache], *plan)
+    with pytest.raises(ValueError, match="layer 1: row_width mismatch"):
+        gather_compact_group([pool, jax.device_put(np.zeros((8, 8), np.float32), pinned_host)],
+                             [cache, cache], *plan)
+
+
+def test_pinned_host_placement_on_this_device(pinned_host):
+    kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
+    assert "pinned_host" in kinds
+    pool = jax.device_put(np.arange(8, dtype=np.float32).reshape(2, 4), pinned_host)
+    assert pool.sharding.memory_kind == "pinned_host"
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+
+def test_row_pieces_are_powers_of_two():
+    assert row_pieces(576, 512) == ((0, 512), (512, 64))
+    for width in (1, 8, 100, 576, 2048, 4097):
+        pieces = row_pieces(width, 512)
+        assert sum(size for _, size in pieces) == width
+        assert all(size & (size - 1) == 0 and size <= 512 for _, size in pieces)
+
+
+def test_kernel_odd_width_and_many_programs():
+    rng = np.random.default_rng(7)
+    n, k, block, width, num_blocks, host_rows = 2, 40, 2, 100, 64, 90   # W=64+32+4
+    pool_np = rng.standard_normal((host_rows, width)).astype(np.float32)
+    cache_np = rng.standard_normal((num_blocks, block, width)).astype(np.float32)
+    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
+    counts[:] = k
+    got = tk.gather_compact(to_host(pool_np), jnp.asarray(cache_np), jnp.asarray(src),
+                            jnp.asarray(dst), jnp.asarray(counts), interpret=INTERPRET,
+                            tuning=CopyTuning(rows_per_program=4, max_piece=64))
+    np.testing.assert_array_equal(np.asarray(got),
+                                  oracle_gather(pool_np, cache_np, src, dst, counts))
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.parametrize("pool_shape", [(1 << 14, 576), (1 << 12, 4, 576)])
+def test_kernel_lowers_to_triton(pool_shape):
+    pool, cache = sds(pool_shape, jnp.bfloat16), sds((512, 64, 576), jnp.bfloat16)
+    text = lower_for_cuda(tk.gather_compact, pool, cache, sds((64, 2048)), sds((64, 2048)),
+                          sds((64,)))
+    assert "output_operand_aliases" in text
+    lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p, p), (c, c), s, d, n),
+                   pool, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2048, 16384])
+def test_gpu_gather_from_pinned_pool(rows):
+    rng = np.random.default_rng(rows)
+    width, block, num_blocks, host_rows = 576, 64, 1024, 1 << 17
+    pool_np = random_rows(rng, (host_rows // block, block, width))
+    cache_np = random_rows(rng, (num_blocks, block, width))
+    n = rows // 2048
+    src = rng.choice(host_rows + 64, size=(n, 2048), replace=False).astype(np.int32)
+    dst = rng.permutation(num_blocks * block)[: n * 2048].reshape(n, 2048).astype(np.int32)
+    counts = rng.integers(1, 2049, size=n).astype(np.int32)
+    want = oracle_gather(pool_np, cache_np, src, dst, counts)
+    pool = to_host(pool_np)
+    got = hs.gather_compact(pool, jnp.asarray(cache_np), jnp.asarray(src), jnp.asarray(dst),
+                            jnp.asarray(counts))                 # default backend: triton
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference", None])
+def test_gpu_copies_with_bf16_rows(backend, pinned_host):
+    """The reference (compute_on host gather) and the default backend on the GPU, 576-wide:
+    gather, then mirror back into the pool."""
+    rng = np.random.default_rng(11)
+    width, host_rows, blocks, b = 576, 4096, 64, 64
+    pool_np = rng.standard_normal((host_rows, width)).astype(jnp.bfloat16)
+    pool = jax.device_put(pool_np, pinned_host)
+    cache_np = rng.standard_normal((blocks, b, width)).astype(jnp.bfloat16)
+    plan = random_plan(rng, 8, 256, host_rows, blocks * b)
+    got = hs.gather_compact(pool, jnp.asarray(cache_np), *map(jnp.asarray, plan),
+                            backend=backend)
+    np.testing.assert_array_equal(np.asarray(got), oracle_gather(pool_np, cache_np, *plan))
+    dev = rng.permutation(blocks * b)[:300].astype(np.int32)
+    dst = rng.permutation(host_rows)[:300].astype(np.int32)
+    want = pool_np.copy()
+    want[dst] = np.asarray(got).reshape(-1, width)[dev]
+    new_pool = hs.mirror_rows(got, pool, jnp.asarray(dev), jnp.asarray(dst), backend=backend)
+    assert new_pool.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(new_pool), want)

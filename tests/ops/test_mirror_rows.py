@@ -1,0 +1,109 @@
+"""mirror_rows: every backend against numpy (pool kept in pinned_host memory, donated, both
+layouts, random rows that must survive), validation, the kernel's CUDA lowering and the
+GPU-scale run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hisparse_jax as hs
+from pallas_kernels.mirror_rows import triton as tk
+from tests.ops import backends, bits, examples, lower_for_cuda, random_rows, sds, to_host
+
+BACKENDS = backends("mirror_rows")
+W = 16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_matches_numpy(backend, seed, pinned_host):
+    rng = np.random.default_rng(seed)
+    host_rows, blocks, b = 40, 6, 4
+    pool_np = rng.standard_normal((host_rows, W)).astype(np.float32)
+    pool = jax.device_put(pool_np, pinned_host)
+    cache_np = rng.standard_normal((blocks, b, W)).astype(np.float32)
+    r = 10
+    dev = rng.integers(-2, blocks * b + 2, size=r).astype(np.int32)
+    dst = (rng.permutation(host_rows + 6)[:r] - 3).astype(np.int32)   # distinct, some outside
+    want = pool_np.copy()
+    for d, h in zip(dev, dst, strict=True):
+        if 0 <= d < blocks * b and 0 <= h < host_rows:
+            want[h] = cache_np.reshape(-1, W)[d]
+    got = hs.mirror_rows(jnp.asarray(cache_np), pool, jnp.asarray(dev), jnp.asarray(dst),
+                         backend=backend)
+    assert got.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pool_blocks", [False, True], ids=["pool2d", "pool3d"])
+@settings(max_examples=examples(0.15))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_bf16_rows_both_pool_layouts(backend, pool_blocks, seed):
+    rng = np.random.default_rng(seed)
+    block, width, num_blocks, host_rows, r = 4, 576, 8, 48, 12
+    pool_np = random_rows(rng, (host_rows, width))
+    cache_np = random_rows(rng, (num_blocks, block, width))
+    device_rows = rng.integers(-2, num_blocks * block + 3, size=r).astype(np.int32)
+    dest = (rng.permutation(host_rows + 6)[:r] - 3).astype(np.int32)
+    want = pool_np.copy()
+    flat = cache_np.reshape(-1, width)
+    for d, h in zip(device_rows, dest, strict=True):
+        if 0 <= d < flat.shape[0] and 0 <= h < host_rows:
+            want[h] = flat[d]
+    shape = (host_rows // block, block, width) if pool_blocks else (host_rows, width)
+    pool = to_host(pool_np.reshape(shape))
+    got = hs.mirror_rows(jnp.asarray(cache_np), pool, jnp.asarray(device_rows),
+                         jnp.asarray(dest), backend=backend)
+    assert got.sharding.memory_kind == "pinned_host"
+    assert got.shape == shape
+    np.testing.assert_array_equal(bits(got).reshape(-1, width), bits(want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_donates_the_pool(backend, pinned_host):
+    pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)
+    cache = jnp.ones((2, 4, W), jnp.float32)
+    new = hs.mirror_rows(cache, pool, jnp.array([0], jnp.int32), jnp.array([3], jnp.int32),
+                         backend=backend)
+    assert pool.is_deleted()
+    np.testing.assert_array_equal(np.asarray(new)[3], 1.0)
+
+
+def test_validation_errors(pinned_host):
+    pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)
+    cache = jnp.zeros((2, 4, W), jnp.float32)
+    with pytest.raises(ValueError, match="kv_cache must have rank 3"):
+        hs.mirror_rows(cache[0], pool, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match="same length"):
+        hs.mirror_rows(cache, pool, jnp.zeros(1, jnp.int32), jnp.zeros(2, jnp.int32))
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.parametrize("pool_shape", [(1 << 14, 576), (1 << 12, 4, 576)])
+def test_kernel_lowers_to_triton(pool_shape):
+    pool, cache = sds(pool_shape, jnp.bfloat16), sds((512, 64, 576), jnp.bfloat16)
+    lower_for_cuda(tk.mirror_rows, cache, pool, sds((3000,)), sds((3000,)))
+
+
+@pytest.mark.gpu
+def test_gpu_mirror_into_pinned_pool_in_place():
+    rng = np.random.default_rng(2)
+    width, block, num_blocks, host_blocks = 576, 64, 256, 2048
+    pool_np = random_rows(rng, (host_blocks, block, width))
+    cache_np = random_rows(rng, (num_blocks, block, width))
+    device_rows = rng.permutation(num_blocks * block)[:4096].astype(np.int32)
+    dest = rng.permutation(host_blocks * block)[:4096].astype(np.int32)
+    pool = to_host(pool_np)
+    got = hs.mirror_rows(jnp.asarray(cache_np), pool, jnp.asarray(device_rows),
+                         jnp.asarray(dest))                      # default backend: triton
+    assert pool.is_deleted(), "the pool was not donated"
+    assert got.sharding.memory_kind == "pinned_host"
+    want = pool_np.reshape(-1, width).copy()
+    want[dest] = cache_np.reshape(-1, width)[device_rows]
+    np.testing.assert_array_equal(bits(got).reshape(-1, width), bits(want))

@@ -1,0 +1,100 @@
+"""The backend registry of `hisparse_jax.ops`: vocabulary, selection, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hisparse_jax as hs
+from hisparse_jax import ops
+from hisparse_jax.ops import _registry
+from pallas_kernels import _compat
+
+ON_GPU = _compat.has_gpu()
+
+
+def _attention_args(dtype=jnp.bfloat16, width=576):
+    return (jax.ShapeDtypeStruct((2, 16, width), dtype),
+            jax.ShapeDtypeStruct((64, width), dtype), jax.ShapeDtypeStruct((2, 8), jnp.int32))
+
+
+def test_vocabulary():
+    assert ops.BACKENDS == ("reference", "triton", "mosaic_gpu")
+    for op in _registry.ops():
+        assert "reference" in ops.registered_backends(op)
+        assert set(ops.registered_backends(op)) <= set(ops.BACKENDS)
+        assert _registry.PREFERENCE[op][-1] == "reference"
+    assert ops.registered_backends("sparse_mla_decode") == ops.BACKENDS
+    assert set(_registry.ops()) == {"resolve_residency", "invalidate_written_rows",
+                                    "gather_compact", "gather_compact_group", "mirror_rows",
+                                    "sparse_mla_decode"}
+
+
+def test_every_implementation_is_named_after_its_op():
+    for op in _registry.ops():
+        for backend in ops.registered_backends(op):
+            if backend == "mosaic_gpu" and not _compat.mosaic_gpu_interpret_available():
+                continue                       # imported only where jax has Mosaic GPU
+            module = _registry.module(op, backend)
+            assert callable(getattr(module, op)), (op, backend)
+            if backend != "reference":
+                assert callable(module.supports) and hasattr(module, "DEFAULT")
+
+
+def test_pallas_is_a_deprecated_alias_of_triton():
+    with pytest.warns(DeprecationWarning, match="backend='pallas' is deprecated"):
+        assert _registry.normalize("pallas") == "triton"
+    state = hs.HotState(jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int16))
+    with pytest.warns(DeprecationWarning, match="use backend='triton'"):
+        got = hs.invalidate_written_rows(state, jnp.zeros(1, jnp.int32),
+                                         jnp.zeros(1, jnp.int32), backend="pallas")
+    assert got.slot_rows.shape == (1, 8)
+
+
+@pytest.mark.skipif(ON_GPU, reason="off-GPU dispatch")
+def test_none_picks_reference_off_the_gpu():
+    for op in _registry.ops():
+        args = _attention_args() if op == "sparse_mla_decode" else ()
+        assert _registry.select(op, None, *args) == "reference"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU dispatch")
+def test_none_picks_the_preferred_kernel_on_the_gpu():
+    assert _registry.select("gather_compact", None) == "triton"
+    assert _registry.select("sparse_mla_decode", None, *_attention_args()) == "triton"
+    # float32 attention: no kernel takes it, the reference runs.
+    assert _registry.select("sparse_mla_decode", None,
+                            *_attention_args(jnp.float32)) == "reference"
+
+
+def test_explicit_unsupported_backend_errors_with_the_reason():
+    with pytest.raises(ValueError, match="cannot run these inputs.*bfloat16 or float16"):
+        _registry.select("sparse_mla_decode", "triton", *_attention_args(jnp.float32))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _registry.select("sparse_mla_decode", "mosaic_gpu",
+                         *_attention_args(jnp.bfloat16, width=100))
+    with pytest.raises(ValueError, match="has no implementation of mirror_rows"):
+        _registry.select("mirror_rows", "mosaic_gpu")
+
+
+def test_explicit_supported_backend_is_kept():
+    assert _registry.select("sparse_mla_decode", "triton", *_attention_args()) == "triton"
+    assert _registry.select("sparse_mla_decode", "reference",
+                            *_attention_args(jnp.float32)) == "reference"
+    assert _registry.select("resolve_residency", "triton") == "triton"
+
+
+def test_unknown_backend_name_errors_listing_the_vocabulary():
+    for bad in ("cuda", "Triton", ""):
+        with pytest.raises(ValueError, match=r"backend must be one of \('reference', "
+                                             r"'triton', 'mosaic_gpu'\) or None"):
+            _registry.select("gather_compact", bad)
+    with pytest.raises(KeyError, match="no op 'gather'"):
+        _registry.select("gather", None)
+
+
+def test_implementation_binds_interpret_off_the_gpu():
+    fn = _registry.implementation("mirror_rows", "triton")
+    assert fn.keywords == {"interpret": not ON_GPU}
+    assert _registry.implementation("mirror_rows", "reference").__name__ == "mirror_rows"

@@ -2,13 +2,20 @@
 # Every GPU test and benchmark in one call on the GPU machine (one H200, jax 0.11.2).
 #   bash bench/gpu_suite.sh [step ...]
 # steps: env tests decode ops (default), engine_gpu e2e_smoke e2e (the end-to-end decode
-#        benchmark, about 8 minutes), or one op benchmark: resolve_residency gather_compact
-#        mirror_rows invalidate_written_rows sparse_mla_decode (`ops` runs all five)
+#        benchmark, about 8 minutes), e2e_compare (HiSparse and all-resident at 1 and 256
+#        requests, for the code in .baseline/ when present and then for this tree, in one call:
+#        a before/after comparison on the same machine), or one op benchmark:
+#        resolve_residency gather_compact mirror_rows invalidate_written_rows sparse_mla_decode
+#        (`ops` runs all five)
+# jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
+# .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
 # to $OUT/suite.log and bench/results/ (also packed as $OUT/results.tar.gz) when OUT is set.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 OUT=${OUT:-/tmp/hisparse-gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
@@ -33,12 +40,18 @@ run_step() {  # name, time limit in s, command...
       env) run_step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices(), [m.kind for m in jax.devices()[0].addressable_memories()])"' ;;
       # The GPU-scale engine test (2-4 min) is left to `decode`, which checks the same
       # exactness (--check: tokens against all-resident) on the same config.
-      tests) run_step tests 230 python3 -m pytest -m gpu -q -rfE --timeout=200 -p no:cacheprovider -k "not gpu_scale" tests ;;
+      tests) run_step tests 330 python3 -m pytest -m gpu -q -rfE --timeout=300 -p no:cacheprovider -k "not gpu_scale" tests ;;
       # 8 prompts of up to 3500 tokens on 400 device blocks of 64 rows (all-resident: 8 x 56):
       # requests move to hot regions, pages are lost and read from host; tokens are checked.
       decode) run_step decode 150 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
       e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;
+      e2e_compare)
+        cmp_args=(--concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
+        if [ -d .baseline ]; then
+          run_step e2e_before 280 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.e2e_decode ${cmp_args[*]} --output $OUT/e2e_before.json"
+        fi
+        run_step e2e_after 280 python3 -m bench.e2e_decode "${cmp_args[@]}" --output "${E2E_COMPARE_OUT:-bench/results/e2e_decode-compare-gpu.json}" ;;
       engine_gpu) run_step engine_gpu 250 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;

@@ -55,6 +55,14 @@ def variant_name(residency: Residency) -> str:
     return "decode_hot" if residency.reads_host else "decode_fast"
 
 
+def _with_residency(cache: DecodeCache, residency: Residency) -> DecodeCache:
+    """`cache` with its KV-cache handle under `residency` (the same object when it already is:
+    the common step pays for no pytree rebuild)."""
+    if cache.kv.residency == residency:
+        return cache
+    return dataclasses.replace(cache, kv=cache.kv.with_residency(residency))
+
+
 @dataclasses.dataclass(frozen=True)
 class PendingDecode:
     """A dispatched decode step whose tokens are not collected yet."""
@@ -134,13 +142,15 @@ class Runner:
 
     def _set_cache(self, cache: DecodeCache) -> None:
         """Keeps the cache under the mode's residency between steps (one prefill variant)."""
-        self.cache = dataclasses.replace(cache, kv=cache.kv.with_residency(self.residency))
+        self.cache = _with_residency(cache, self.residency)
 
     # ------------------------------------------------------------------ plan execution
 
     def before_forward(self, plan: StepPlan) -> None:
         """Table rows, hot resets / invalidations, then restores of a plan."""
         self.tables.apply(plan.tables)
+        if not (plan.hot_resets or plan.hot_invalidations or plan.restores):
+            return  # the common decode step: nothing else to apply
         kv = self.cache.kv
         kv = dataclasses.replace(kv, hot=tuple(
             apply_hot_updates(plan, h, block_size=self.cfg.block_size) for h in kv.hot))
@@ -173,7 +183,7 @@ class Runner:
         tokens, positions, state_rows, temperature, steps = self._put(
             (tokens, positions, state_rows, temperature, steps))
         tables = (self.tables.src, self.tables.res, self.tables.hot)
-        cache = dataclasses.replace(self.cache, kv=self.cache.kv.with_residency(residency))
+        cache = _with_residency(self.cache, residency)
         next_tokens, cache, aux = self.jitted[variant_name(residency)](
             self.params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
             *self.keys.next(), self.topk_state, steps)

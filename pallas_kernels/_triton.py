@@ -87,7 +87,7 @@ def rows_per_program(total_rows: int, tuning: CopyTuning) -> int:
     if tuning.rows_per_program is not None:
         return tuning.rows_per_program
     rows = 16
-    while rows > 2 and -(-total_rows // rows) < TARGET_PROGRAMS:
+    while rows > 2 and pl.cdiv(total_rows, rows) < TARGET_PROGRAMS:
         rows //= 2
     return rows
 

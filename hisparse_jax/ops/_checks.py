@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.state import HotState
-from host_tier.sizes import is_int
+from host_tier.sizes import cdiv, is_int
 from pallas_kernels import _compat
 
 Q_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -92,7 +92,7 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
         raise ValueError(f"state_rows has {state_rows.shape[0]} entries but topk has N={n} rows")
     block_size = check_static_int("block_size", block_size, minimum=1)
     check_static_int("host_rows", host_rows, minimum=0)
-    need = -(-hot // block_size)
+    need = cdiv(hot, block_size)
     check_array("hot_block_table", hot_block_table, ndim=2, dtype=jnp.int32)
     if hot_block_table.shape[0] != n or hot_block_table.shape[1] < need:
         raise ValueError(f"hot_block_table must be [N={n}, >= ceil(H/B)={need}], got "

@@ -351,8 +351,8 @@ def sparse_mla_decode(
     if reason is not None:
         raise ValueError(reason)
     bkv = cfg.block_kv
-    h_pad = -(-h_q // BLOCK_H) * BLOCK_H
-    num_tiles = -(-top_k // bkv)
+    h_pad = pl.cdiv(h_q, BLOCK_H) * BLOCK_H
+    num_tiles = pl.cdiv(top_k, bkv)
     splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, num_tiles * bkv)
     rows3 = rows.reshape(num_rows, num_tiles, bkv)

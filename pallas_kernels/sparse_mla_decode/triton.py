@@ -182,7 +182,7 @@ def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> i
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
-        want = max(1, -(-_triton.TARGET_PROGRAMS // max(programs, 1)))
+        want = max(1, pl.cdiv(_triton.TARGET_PROGRAMS, max(programs, 1)))
         want = min(want, max(1, num_chunks // 4))      # >= 4 steps per split
     want = max(1, min(want, num_chunks))
     while num_chunks % want:                            # no all-padding steps
@@ -218,11 +218,11 @@ def sparse_mla_decode(
     block_h = cfg.block_h or min(64, max(16, _triton.pow2_ceil(h_q)))
     num_warps = cfg.num_warps or (8 if block_h >= 64 else 4)
     bk = cfg.block_k
-    h_pad = -(-h_q // block_h) * block_h
+    h_pad = pl.cdiv(h_q, block_h) * block_h
     head_blocks = h_pad // block_h
-    num_chunks = -(-top_k // bk)
+    num_chunks = pl.cdiv(top_k, bk)
     splits = _attention_splits(num_rows * head_blocks, num_chunks, cfg)
-    steps = -(-num_chunks // splits)
+    steps = pl.cdiv(num_chunks, splits)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, splits * steps * bk)
     kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
                                pieces=pieces, scale2=float(sm_scale) * LOG2E,

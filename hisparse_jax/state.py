@@ -21,7 +21,7 @@ from hisparse_jax.config import HiSparseConfig
 from host_tier.plan import StepPlan
 from host_tier.sizes import pow2_bucket
 
-# Host-built row lists are padded to a power of two (at least this): few compiled sizes.
+# Host-built block lists are padded to a power of two (at least this): few compiled sizes.
 _MIN_BUCKET = 64
 
 
@@ -105,9 +105,27 @@ def invalidate_host_blocks(slot_rows: jax.Array, state_rows: jax.Array, host_blo
         jnp.where(stale, -1, rows), mode="drop")
 
 
+def _padded_rows(state_rows: Any, num_rows: int) -> jax.Array:
+    """int32[S] of `state_rows` padded with -1 (ignored): one compiled size per state."""
+    rows = np.full(num_rows, -1, np.int32)
+    rows[:len(state_rows)] = state_rows
+    return jnp.asarray(rows)
+
+
+def invalidation_width(num_blocks: int) -> int:
+    """The padded width of a plan's hot invalidations whose widest row lists `num_blocks`
+    host blocks: a power of two, at least 64 (the only size that varies between plans)."""
+    return pow2_bucket(num_blocks, _MIN_BUCKET)
+
+
 def apply_hot_updates(plan: StepPlan, hot_state: Any, *, block_size: int,
                       reset_rows_fn: Callable[[Any, jax.Array], Any] | None = None) -> Any:
     """A plan's hot resets, then its hot invalidations, applied to one hot state.
+
+    The row lists are padded to the state's S rows (a plan names each state row at most once
+    per list), the invalidations' block lists to `invalidation_width` of the widest: the
+    jitted updates compile once for the resets and once per width bucket for the
+    invalidations (`warm_hot_updates` compiles them ahead).
 
     Args:
       plan: the step's plan (`plan.hot_resets`: state rows to empty;
@@ -119,20 +137,35 @@ def apply_hot_updates(plan: StepPlan, hot_state: Any, *, block_size: int,
     Returns:
       The new hot state (the same object when the plan changes nothing).
     """
+    num_rows = hot_state.slot_rows.shape[0]
     if plan.hot_resets:
         reset_rows_fn = reset_rows_fn or reset_rows
-        rows = np.full(pow2_bucket(len(plan.hot_resets), _MIN_BUCKET), -1, np.int32)  # -1: none
-        rows[:len(plan.hot_resets)] = plan.hot_resets
-        hot_state = reset_rows_fn(hot_state, jnp.asarray(rows))
+        hot_state = reset_rows_fn(hot_state, _padded_rows(plan.hot_resets, num_rows))
     if plan.hot_invalidations:
-        n = len(plan.hot_invalidations)
         width = max(len(inv.host_blocks) for inv in plan.hot_invalidations)
-        rows = np.full(pow2_bucket(n, _MIN_BUCKET), -1, np.int32)
-        blocks = np.full((rows.shape[0], pow2_bucket(width, _MIN_BUCKET)), -1, np.int32)
+        blocks = np.full((num_rows, invalidation_width(width)), -1, np.int32)
         for i, inv in enumerate(plan.hot_invalidations):
-            rows[i] = inv.state_row
             blocks[i, :len(inv.host_blocks)] = inv.host_blocks
-        slot_rows = invalidate_host_blocks(hot_state.slot_rows, jnp.asarray(rows),
-                                           jnp.asarray(blocks), block_size=block_size)
+        rows = _padded_rows([inv.state_row for inv in plan.hot_invalidations], num_rows)
+        slot_rows = invalidate_host_blocks(hot_state.slot_rows, rows, jnp.asarray(blocks),
+                                           block_size=block_size)
         hot_state = dataclasses.replace(hot_state, slot_rows=slot_rows)
     return hot_state
+
+
+def warm_hot_updates(hot_state: Any, *, block_size: int, max_blocks: int) -> Any:
+    """Compiles every shape `apply_hot_updates` can reach for plans whose invalidations list
+    at most `max_blocks` host blocks per state row (e.g. max_pages), with inputs that change
+    nothing (every row padding). Returns the hot state to keep (`slot_rows` is donated)."""
+    num_rows = hot_state.slot_rows.shape[0]
+    none = _padded_rows((), num_rows)
+    hot_state = reset_rows(hot_state, none)
+    width = _MIN_BUCKET
+    while True:
+        blocks = jnp.asarray(np.full((num_rows, width), -1, np.int32))
+        slot_rows = invalidate_host_blocks(hot_state.slot_rows, none, blocks,
+                                           block_size=block_size)
+        hot_state = dataclasses.replace(hot_state, slot_rows=slot_rows)
+        if width >= invalidation_width(max_blocks):
+            return hot_state
+        width *= 2

@@ -8,6 +8,10 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
+# The engine turns on jax's persistent compilation cache under the user's cache directory by
+# default; the suite writes none there (tests that check the cache enable it on a tmp dir).
+os.environ.setdefault("HISPARSE_JAX_COMPILATION_CACHE", "0")
+
 settings.register_profile(
     "ci", max_examples=int(os.environ.get("HISPARSE_EXAMPLES", "60")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -12,7 +12,7 @@ from hisparse_jax.cache import AllResident, HiSparse, NaiveOffload
 from hisparse_jax.engine import EngineConfig, Metrics, Request
 from hisparse_jax.engine.metrics import StepClock, summarise
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
-from hisparse_jax.engine.sampler import KeyStream, sample
+from hisparse_jax.engine.sampler import base_key, sample, token_keys
 from hisparse_jax.engine.scheduler import Scheduler
 from host_tier import Coordinator, TransferReport, Wait
 
@@ -133,14 +133,34 @@ def test_scheduler_on_a_coordinator_keeps_hot_room_and_preempts_when_stalled():
 
 def test_sampling_is_greedy_at_zero_temperature_and_draws_otherwise():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 50)), jnp.float32)
-    keys = KeyStream(0, jax.devices()[0])
-    key, counter = keys.next()
-    assert int(counter) == 1 and int(keys.next()[1]) == 2
+    key = base_key(0)
     greedy = sample(logits, jnp.zeros(4), key)
     np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
     drawn = [np.asarray(sample(logits, jnp.full(4, 5.0), jax.random.fold_in(key, i)))
              for i in range(8)]
     assert any((d != np.asarray(greedy)).any() for d in drawn)
+
+
+def test_sampling_keys_depend_on_the_request_and_token_only():
+    # Row n draws with the key of (seed, sampling seed, token index): the same request's token
+    # comes out the same in any row, beside any other rows, alone or in a batch.
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 50)), jnp.float32)
+    key = base_key(3)
+    seeds, index = jnp.array([7, 8, 9, 7], jnp.int32), jnp.array([0, 0, 0, 5], jnp.int32)
+    hot = jnp.full(4, 2.0)
+    batch = np.asarray(sample(logits, hot, token_keys(key, seeds, index)))
+    for n in range(4):
+        alone = sample(logits[n:n + 1], hot[:1], token_keys(key, seeds[n:n + 1], index[n:n + 1]))
+        assert int(alone[0]) == batch[n]
+    moved = np.asarray(sample(logits[::-1], hot, token_keys(key, seeds[::-1], index[::-1])))
+    np.testing.assert_array_equal(moved, batch[::-1])
+    # Greedy rows ignore their keys; other seeds, token indices or engine seeds draw others.
+    np.testing.assert_array_equal(
+        np.asarray(sample(logits, jnp.zeros(4), token_keys(key, seeds, index))),
+        np.argmax(np.asarray(logits), -1))
+    draws = {tuple(np.asarray(sample(logits, hot, token_keys(base_key(s), seeds + d, index))))
+             for s in (3, 4) for d in (0, 1)}
+    assert len(draws) == 4
 
 
 def test_metrics_summary_figures():

@@ -3,11 +3,55 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
 
 from hisparse_jax.cache import AllResident, HiSparse, NaiveOffload, Residency
-from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.config import MAX_HOT_SIZE, HiSparseConfig
+from hisparse_jax.ops import _registry
 from hisparse_jax.topk_sources import TopKSource
-from host_tier.sizes import cdiv, round_up
+from host_tier.sizes import cdiv, is_int, round_up
+
+ATTENTION_OPS = ("sparse_mla_decode",)
+"""The ops `EngineConfig.attention_backend` selects for."""
+DATA_PLANE_OPS = ("resolve_residency", "invalidate_written_rows", "gather_compact_group",
+                  "gather_compact", "mirror_rows")
+"""The ops `EngineConfig.ops_backend` selects for: the handle's lookup (invalidate, resolve,
+gather) and the transfer worker's copies (mirror; restores go through gather_compact)."""
+
+
+def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
+    if not is_int(value) or value < minimum:
+        rule = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"EngineConfig.{name} must be {rule}{' or None' if optional else ''}, "
+                         f"got {value!r}")
+
+
+def _check_backend(name: str, backend: Any, ops: tuple[str, ...]) -> str | None:
+    """`backend` normalised by the op registry ("pallas" -> "triton", DeprecationWarning);
+    ValueError naming `EngineConfig.<name>` unless it is None or a backend of every op."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        raise ValueError(f"EngineConfig.{name} must be a str or None, got {backend!r}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            normalised = _registry.normalize(backend)
+    except ValueError:
+        raise ValueError(f"EngineConfig.{name} must be one of {_registry.BACKENDS} or None, "
+                         f"got {backend!r}") from None
+    if normalised != backend:
+        warnings.warn(f"EngineConfig.{name}={backend!r} is deprecated; use {normalised!r}",
+                      DeprecationWarning, stacklevel=5)
+    for op in ops:
+        if normalised not in _registry.registered_backends(op):
+            raise ValueError(f"EngineConfig.{name}={backend!r} has no implementation of {op} "
+                             f"(its backends: {_registry.registered_backends(op)})")
+    return normalised
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +82,15 @@ class EngineConfig:
       max_traces: wrap the jitted functions in `chex.assert_max_traces(n=max_traces)` (chex
         counts per definition site, across engines: call `chex.clear_trace_counter()` before
         building another engine with it).
-      seed: sampling seed.
+      seed: sampling seed, an int in [0, 2**32): the key of request r's i-th sampled token
+        is a function of (seed, r's sampling seed (by default its add_request order index),
+        i) only (`hisparse_jax.engine.sampler.token_keys`).
+      compilation_cache: turn on jax's persistent compilation cache
+        (`hisparse_jax.engine.compile_cache.enable`; the environment variable
+        HISPARSE_JAX_COMPILATION_CACHE=0 turns it off, or names the directory).
+
+    Every field is checked at construction (`validate`): ValueError naming the field and the
+    rule.
     """
 
     max_seats: int = 4
@@ -57,17 +109,79 @@ class EngineConfig:
     collect_attention: bool = False
     max_traces: int | None = None
     seed: int = 0
+    compilation_cache: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        """Raises ValueError for knobs that exclude each other (the `Engine` calls it)."""
+        """Checks every field's type and range and the rules between fields; raises
+        ValueError naming `EngineConfig.<field>` and the rule (the constructor calls it).
+
+        Normalises the deprecated backend alias "pallas" to "triton" (DeprecationWarning).
+        What depends on the model or the platform is checked by `check_model` and
+        `check_platform`, which the `Engine` calls."""
+        for name in ("max_seats", "max_model_len", "block_size", "prefill_bucket"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name, minimum in (("hot_size", 1), ("max_traces", 1), ("num_gpu_blocks", 2),
+                              ("num_host_blocks", 2)):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=minimum, optional=True)
+        if self.hot_size is not None and self.hot_size > MAX_HOT_SIZE:
+            raise ValueError(f"EngineConfig.hot_size must be <= {MAX_HOT_SIZE} (LRU slot ids "
+                             f"are int16), got {self.hot_size}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
+        for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
+                     "compilation_cache"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         if self.all_resident and self.naive_offload:
             raise ValueError("EngineConfig: all_resident and naive_offload exclude each other")
+        if self.topk_source is not None and not isinstance(self.topk_source, TopKSource):
+            raise ValueError("EngineConfig.topk_source must be a hisparse_jax.topk_sources."
+                             f"TopKSource or None, got {type(self.topk_source).__name__}")
         if self.synthetic_prefill and self.topk_source is None:
             raise ValueError("EngineConfig.synthetic_prefill requires topk_source (the indexer "
                              "has no keys for a prompt that was not run through the model)")
-        if self.topk_source is not None and not isinstance(self.topk_source, TopKSource):
-            raise ValueError("EngineConfig.topk_source must be a hisparse_jax.topk_sources."
-                             f"TopKSource, got {type(self.topk_source).__name__}")
+        for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
+            object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
+
+    def check_model(self, model_config: Any) -> None:
+        """The rules that involve the model (`hisparse_jax.nn.ModelConfig`): an explicit
+        `hot_size` holds one step's top-k (hot_size >= top_k). ValueError naming the field."""
+        if self.hot_size is not None and self.hot_size < model_config.top_k:
+            raise ValueError(
+                f"EngineConfig.hot_size must be >= the model's top_k ({model_config.top_k}: "
+                f"each miss of a step needs its own hot slot), got {self.hot_size}")
+
+    def check_platform(self, model_config: Any, cfg: HiSparseConfig) -> None:
+        """The backends can run this engine's calls on this platform: asks the op registry
+        (`hisparse_jax.ops._registry.unsupported`) with the shapes of the decode and prefill
+        attention calls and of the data-plane ops. ValueError naming the field and the
+        registry's reason. Backend None always passes (the registry picks what runs)."""
+        mc = model_config
+        if self.attention_backend is not None:
+            dt, width, k = cfg.kv_dtype, mc.row_width, mc.top_k
+            rows = cfg.num_gpu_blocks * cfg.block_size
+            kw = dict(sm_scale=mc.sm_scale, v_width=mc.kv_lora_rank)
+            for n, kv_rows in ((cfg.max_num_reqs, rows), (cfg.max_model_len, cfg.max_model_len)):
+                reason = _registry.unsupported(
+                    "sparse_mla_decode", self.attention_backend,
+                    jax.ShapeDtypeStruct((n, mc.num_heads, width), dt),
+                    jax.ShapeDtypeStruct((kv_rows, width), dt),
+                    jax.ShapeDtypeStruct((n, k), np.int32), **kw)
+                if reason is not None:
+                    raise ValueError(f"EngineConfig.attention_backend={self.attention_backend!r} "
+                                     f"cannot run on this platform: {reason}")
+        if self.ops_backend is not None and not self.all_resident:
+            for op in DATA_PLANE_OPS:
+                reason = _registry.unsupported(op, self.ops_backend)
+                if reason is not None:
+                    raise ValueError(f"EngineConfig.ops_backend={self.ops_backend!r} cannot run "
+                                     f"{op} on this platform: {reason}")
 
     @property
     def residency(self) -> Residency:

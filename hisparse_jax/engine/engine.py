@@ -22,28 +22,94 @@ tier.
 For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
 source instead of the indexer, and `synthetic_prefill` writes deterministic random KV rows
 instead of running the model over the prompt; decode always runs the model.
+
+Request lifecycle (requests are transactions: whatever one request does wrong, the engine
+keeps serving the others and loses none of their work):
+
+  * `add_request` checks everything before queueing (ValueError naming the argument and the
+    rule): a new id, token ids in [0, vocab), a non-empty prompt, prompt + max_new_tokens <=
+    max_model_len, max_new_tokens >= 1 (or None: until max_model_len), a finite temperature
+    >= 0, stop token ids in the vocab; `host_tier.CapacityError` (a ValueError) with the
+    residency manager's reason when the pools could never hold the request even alone.
+  * A request whose admission or prefill fails is released (its blocks, transfers and seat;
+    its hot row is reset at the seat's next admission) and finishes with
+    finish_reason="error" and `Request.error`; so does a request that can never make
+    progress, or whose page restore the worker reports failed. The step goes on.
+  * `cancel(request_id)`: a waiting or running request finishes with "cancelled".
+  * Any other exception from `step()` leaves an engine whose next `step()` works: the
+    requests of the failed step's batch are preempted (recompute: their tokens are kept, the
+    last one is sampled again with the same key), admitted requests whose prefill did not
+    run go back to the queue, the manager's pass is closed and its table / hot-state updates
+    applied, the plan's transfers that never reached the worker are reported failed; when
+    the device arrays were lost (donated to a failed call, or poisoned) they are rebuilt
+    and every running request is preempted. Then the exception propagates (a prefill that
+    lost the device arrays only fails its own request).
+
+Start-up: `EngineConfig.compilation_cache` turns on jax's persistent compilation cache
+(`compile_cache.py`); `warmup()` compiles every shape bucket a run can reach, so that no
+served step compiles.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import itertools
+import math
+import numbers
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine.config import EngineConfig
-from hisparse_jax.engine.metrics import Metrics, StepClock, summarise
+from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock, summarise
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.runner import PendingDecode, Runner, variant_name
 from hisparse_jax.engine.scheduler import Scheduler
 from hisparse_jax.nn import Transformer
 from hisparse_jax.ops import mirror_rows, restore_rows
-from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
+from host_tier import CapacityError, Coordinator, DeviceBlockTables, HostPool, TransferEngine
+from host_tier.plan import StepPlan
+from host_tier.sizes import is_int
+
+
+@dataclasses.dataclass
+class _OpenStep:
+    """How far the engine step in progress got (what a failure must undo or close)."""
+
+    plan: StepPlan | None = None
+    state_applied: bool = False  # the plan's tables and hot updates are on the device
+    restores_handed: bool = False  # the worker has the plan's restores
+    spills_handed: bool = False  # the worker has the plan's spills
+    culprit: Request | None = None  # a request whose prefill lost the device arrays
+    culprit_error: str = ""
+
+
+class _PrefillLostDevice(Exception):
+    """A prefill failed and took the device arrays with it (handled inside `step`)."""
+
+
+def _token_ids(what: str, values: Any, vocab: int) -> tuple[int, ...]:
+    """`values` as a tuple of token ids in [0, vocab); ValueError naming `what` otherwise."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError):
+        arr = None
+    if (arr is None or arr.ndim != 1 or isinstance(values, (str, bytes))
+            or (arr.size and arr.dtype.kind not in "iu")):
+        raise ValueError(f"add_request: {what} must be a sequence of int token ids, got "
+                         f"{values!r:.80}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        bad = next(int(t) for t in arr.tolist() if not 0 <= t < vocab)
+        raise ValueError(f"add_request: token ids of {what} must be in [0, {vocab}) (the "
+                         f"model's vocab), got {bad}")
+    return tuple(arr.tolist())
 
 
 class Engine:
@@ -68,9 +134,18 @@ class Engine:
             all-resident).
         """
         config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"Engine config must be an EngineConfig, got "
+                             f"{type(config).__name__}")
+        if not isinstance(model, Transformer):
+            raise ValueError(f"Engine model must be a hisparse_jax.nn.Transformer, got "
+                             f"{type(model).__name__}")
         config.validate()
         self.model_config = mc = model.cfg
+        config.check_model(mc)
         self.config = ec = config
+        self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
+        CompileWatch.start()
         self.device = device = jax.devices()[0]
         self.residency = residency = ec.residency
         if not residency.reads_host:
@@ -84,26 +159,44 @@ class Engine:
                                  f"block_size, row_width, dtype) = {want}, got {have}")
         self.hs_config = cfg = ec.hisparse_config(
             mc, num_host_blocks=None if host_pool is None else host_pool.num_blocks)
+        ec.check_platform(mc, cfg)
         self.row_bytes = cfg.row_bytes
         self.metrics = Metrics()
         self._clock = StepClock(self.metrics)
         self._owns_pool = False
-        if residency.reads_host:
-            manager = Coordinator.from_config(cfg, enable_prefix_caching=False,
-                                              offload_all=ec.naive_offload)
-            self._owns_pool = host_pool is None
-            host_pool = host_pool or HostPool.from_config(cfg, num_layers=mc.num_layers,
-                                                           device=device)
-            transfers = TransferEngine(host_pool, mirror_fn=mirror_rows,
-                                       restore_fn=restore_rows)
-        else:
-            manager, transfers = StaticResidency(cfg), NoTransfers()
+        if residency.reads_host and host_pool is None:
+            # The pool's RAM check runs before anything per block is built.
+            try:
+                host_pool = HostPool.from_config(cfg, num_layers=mc.num_layers, device=device)
+            except ValueError as e:
+                raise ValueError(f"Engine: the host pool of EngineConfig.num_host_blocks="
+                                 f"{cfg.num_host_blocks}: {e}") from e
+            self._owns_pool = True
         self.host_pool = host_pool
-        self.runner = Runner(model, ec, cfg, residency,
-                             tables=DeviceBlockTables.from_config(cfg, device=device),
-                             transfers=transfers, host_pool=host_pool, device=device)
+        try:
+            if residency.reads_host:
+                try:
+                    manager = Coordinator.from_config(cfg, enable_prefix_caching=False,
+                                                      offload_all=ec.naive_offload)
+                except ValueError as e:
+                    raise ValueError(f"Engine: EngineConfig.num_gpu_blocks={cfg.num_gpu_blocks} "
+                                     f"/ num_host_blocks={cfg.num_host_blocks} refused by the "
+                                     f"host tier: {e}") from e
+                transfers = TransferEngine(
+                    host_pool, mirror_fn=functools.partial(mirror_rows, backend=ec.ops_backend),
+                    restore_fn=functools.partial(restore_rows, backend=ec.ops_backend))
+            else:
+                manager, transfers = StaticResidency(cfg), NoTransfers()
+            self.runner = Runner(model, ec, cfg, residency,
+                                 tables=DeviceBlockTables.from_config(cfg, device=device),
+                                 transfers=transfers, host_pool=host_pool, device=device)
+        except BaseException:
+            if self._owns_pool:
+                host_pool.close()
+            raise
         self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics)
-        self._ids = itertools.count()
+        self._auto_ids = itertools.count()
+        self._num_added = 0
 
     # ------------------------------------------------------------------ state
 
@@ -139,28 +232,114 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int,
-                    temperature: float = 0.0, stop_token_ids: Sequence[int] = (),
-                    request_id: Hashable | None = None) -> Hashable:
-        """Queues a request; returns its id. Stops at `max_new_tokens`, at a stop token (kept
-        in the output) or at `max_model_len` tokens."""
-        prompt = tuple(int(t) for t in prompt)
+    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int | None,
+                    temperature: float = 0.0, stop_token_ids: Iterable[int] = (),
+                    request_id: Hashable | None = None, seed: int | None = None) -> Hashable:
+        """Queues a request; returns its id. It stops at a stop token (kept in the output),
+        at `max_new_tokens` new tokens, or (max_new_tokens=None) at max_model_len tokens.
+
+        Args:
+          prompt: token ids in [0, vocab), at least one, fewer than max_model_len.
+          max_new_tokens: >= 1 with prompt + max_new_tokens <= max_model_len; None: until
+            max_model_len tokens (finish_reason "max_model_len").
+          temperature: finite, >= 0 (0: greedy).
+          stop_token_ids: token ids in [0, vocab).
+          request_id: any hashable not naming a waiting, running or finished request;
+            None: an automatic int id (never one in use).
+          seed: its sampling seed, an int in [0, 2**32) (default: its add_request order
+            index): token i is drawn with a key of (EngineConfig.seed, seed, i) only.
+
+        Raises:
+          ValueError: an argument breaks its rule (nothing is queued).
+          host_tier.CapacityError: the pools could never hold the request, even alone.
+        """
+        ec, vocab = self.config, self.model_config.vocab_size
+        L = ec.max_model_len
+        prompt = _token_ids("prompt", prompt, vocab)
         if not prompt:
             raise ValueError("add_request: prompt must not be empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt):
-            raise ValueError(f"add_request: token ids must be in [0, "
-                             f"{self.model_config.vocab_size})")
-        if len(prompt) >= self.config.max_model_len:
+        if len(prompt) >= L:
             raise ValueError(f"add_request: prompt of {len(prompt)} tokens leaves no room under "
-                             f"max_model_len={self.config.max_model_len}")
-        if max_new_tokens < 1:
-            raise ValueError("add_request: max_new_tokens must be >= 1")
-        index = next(self._ids)
-        rid = index if request_id is None else request_id
-        self.scheduler.waiting.append(Request(rid, prompt, int(max_new_tokens), index,
-                                              float(temperature),
-                                              frozenset(int(t) for t in stop_token_ids)))
-        return rid
+                             f"max_model_len={L}")
+        if max_new_tokens is None:
+            total = L
+        elif not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"add_request: max_new_tokens must be an int >= 1 or None, got "
+                             f"{max_new_tokens!r}")
+        else:
+            total = len(prompt) + int(max_new_tokens)
+            if total > L:
+                raise ValueError(f"add_request: prompt ({len(prompt)} tokens) + max_new_tokens "
+                                 f"({max_new_tokens}) = {total} exceeds max_model_len={L} "
+                                 "(max_new_tokens=None generates until max_model_len)")
+        if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
+                or not math.isfinite(temperature) or temperature < 0):
+            raise ValueError(f"add_request: temperature must be a finite number >= 0, got "
+                             f"{temperature!r}")
+        stops = frozenset(_token_ids("stop_token_ids", list(stop_token_ids), vocab))
+        if seed is not None and (not is_int(seed) or not 0 <= seed < 2 ** 32):
+            raise ValueError(f"add_request: seed must be an int in [0, 2**32) or None, got "
+                             f"{seed!r}")
+        scheduler = self.scheduler
+        if request_id is None:
+            request_id = next(self._auto_ids)
+            while scheduler.knows(request_id):  # an explicit id took it
+                request_id = next(self._auto_ids)
+        else:
+            try:
+                hash(request_id)
+            except TypeError:
+                raise ValueError(f"add_request: request_id must be hashable, got "
+                                 f"{type(request_id).__name__}") from None
+            if scheduler.knows(request_id):
+                raise ValueError(f"add_request: request_id {request_id!r} names a waiting, "
+                                 "running or finished request; ids must be unique")
+        reason = self._capacity_error(len(prompt), total)
+        if reason is not None:
+            raise CapacityError(f"add_request: the request can never be served: {reason}")
+        index = self._num_added
+        self._num_added += 1
+        scheduler.submit(Request(request_id, prompt,
+                                 None if max_new_tokens is None else int(max_new_tokens), index,
+                                 float(temperature), stops,
+                                 seed=None if seed is None else int(seed)))
+        return request_id
+
+    def _capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
+        # TODO(H2 merge): call manager.capacity_error directly.
+        check = getattr(self.scheduler.manager, "capacity_error", None)
+        return None if check is None else check(num_prompt_tokens, max_total_tokens)
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Cancels a waiting or running request: it finishes with finish_reason "cancelled"
+        (its tokens so far kept) and releases everything it holds. Returns False when it had
+        already finished. Call it between steps (e.g. from `run`'s `on_step`).
+
+        Raises:
+          ValueError: no request has this id.
+        """
+        return self.scheduler.cancel(request_id)
+
+    def warmup(self) -> float:
+        """Compiles every shape bucket a run can reach (every decode variant, every prefill
+        length up to max_model_len, the block-table and hot-state updates, the spill copies:
+        `Runner.warmup`), so that no served step compiles; with the persistent compilation
+        cache a later process reads them back. Changes no state a request can see. Returns
+        the seconds it took (also in `metrics.warmup_seconds`).
+
+        Raises:
+          RuntimeError: a request is running (call it before serving, or when none runs).
+        """
+        if self.running:
+            raise RuntimeError(f"Engine.warmup: {len(self.running)} requests are running; call "
+                               "it before serving or when none runs")
+        t0 = time.perf_counter()
+        variants = self.runner.warmup(
+            max_spill_pages=getattr(self.scheduler.manager, "max_spill_pages", 1))
+        self._clock.mark_compiled(variants)
+        seconds = time.perf_counter() - t0
+        self.metrics.warmup_seconds += seconds
+        return seconds
 
     def run(self, *, on_step: Callable[[Engine], None] | None = None,
             max_steps: int | None = None) -> dict[Hashable, Request]:
@@ -179,58 +358,146 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Request]:
-        """One scheduler pass and model step; returns the requests that finished in it.
+        """One scheduler pass and model step; returns the requests that finished in it
+        (whatever the reason).
 
         The plan runs in order (tables -> hot updates -> restores -> forward -> spills); the
         decode step is dispatched first, the prefills run while it computes, the spills and
         the worker reports run on the host, and the sampled tokens are waited for last.
+        After an exception the engine is consistent again (module docstring) and the next
+        `step()` works.
         """
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        self.metrics.steps += 1
-        runner = self.runner
-        runner.before_forward(scheduled.plan)
-        pending = (runner.dispatch_decode(scheduled.decode, scheduled.residency)
-                   if scheduled.decode else None)
-        finished = []
-        for req in scheduled.admitted:
-            finished += self._prefill(req)
-        runner.after_forward(scheduled.plan)
-        self.scheduler.deliver()
-        if pending is not None:
-            finished = self._collect(pending) + finished
+        self.scheduler.newly_finished = []
+        open_step = _OpenStep()
+        try:
+            self._step(open_step)
+        except _PrefillLostDevice:
+            self._recover(open_step, None)
+        except BaseException as e:
+            self._recover(open_step, e)
+            raise
+        finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
         return finished
 
-    def _prefill(self, req: Request) -> list[Request]:
-        view = self.scheduler.manager.view(req.request_id)
-        token, attention, seconds, variant = self.runner.prefill(
-            req, np.asarray(view.resident_blocks, np.int64))
-        self._clock.account(variant, seconds, "prefill_seconds")
+    def _step(self, st: _OpenStep) -> None:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return
+        self.metrics.steps += 1
+        runner, plan = self.runner, scheduled.plan
+        st.plan = plan
+        runner.apply_plan_state(plan)
+        st.state_applied = True
+        runner.restore(plan)
+        st.restores_handed = True
+        pending = (runner.dispatch_decode(scheduled.decode, scheduled.residency)
+                   if scheduled.decode else None)
+        for req in scheduled.admitted:
+            self._prefill(req, st)
+        st.spills_handed = True  # the worker reports a failing copy itself
+        runner.after_forward(plan)
+        self.scheduler.deliver()
+        if pending is not None:
+            self._collect(pending)
+
+    def _prefill(self, req: Request, st: _OpenStep) -> None:
+        scheduler = self.scheduler
+        try:
+            view = scheduler.manager.view(req.request_id)
+            token, attention, seconds, variant, compiled = self.runner.prefill(
+                req, np.asarray(view.resident_blocks, np.int64))
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            message = f"prefill failed: {type(e).__name__}: {e}"
+            if self.runner.device_state_lost():
+                st.culprit, st.culprit_error = req, message
+                raise _PrefillLostDevice from e
+            scheduler.fail(req, message)
+            return
+        self._clock.account(variant, seconds, "prefill_seconds", compiled=compiled)
         self.metrics.prefills += 1
         self.metrics.prompt_tokens += req.num_tokens
-        self.scheduler.start(req)
+        scheduler.start(req)
         if attention is not None:
             req.attention.append(attention)
-        return [req] if self.scheduler.record(req, token) else []
+        scheduler.record(req, token)
 
-    def _collect(self, pending: PendingDecode) -> list[Request]:
+    def _collect(self, pending: PendingDecode) -> None:
         result = self.runner.collect_decode(pending)
         reqs = pending.requests
         if self._clock.account(variant_name(pending.residency), result.seconds,
-                               "decode_seconds"):
+                               "decode_seconds", compiled=result.compiled):
             self._clock.decode_tokens += len(reqs)
         self.metrics.record_decode(fast=not pending.residency.reads_host, hits=result.hits,
                                    misses=result.misses,
                                    index_group_size=self.model_config.index_group_size,
                                    row_bytes=self.row_bytes)
-        finished = []
         for req in reqs:
+            self.scheduler.collected(req)
             if result.attention is not None:
                 req.attention.append(result.attention[:, req.seat])
-            if self.scheduler.record(req, int(result.tokens[req.seat])):
-                finished.append(req)
-        return finished
+            self.scheduler.record(req, int(result.tokens[req.seat]))
+
+    def _recover(self, st: _OpenStep, error: BaseException | None) -> None:
+        """Makes the engine consistent after a step failed part-way (module docstring).
+        Each part runs even when an earlier one fails; their failures become notes of
+        `error`."""
+        scheduler, manager, runner = self.scheduler, self.scheduler.manager, self.runner
+        notes: list[str] = []
+
+        def attempt(what: str, fn: Callable[[], Any]) -> bool:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - recovery goes on; the note says what failed
+                notes.append(f"Engine recovery: {what} failed: {type(e).__name__}: {e}")
+                return False
+            return True
+
+        # 1. The requests whose step did not complete: nothing they did is kept (recompute).
+        for req in list(scheduler.pass_decode):
+            attempt(f"preempting request {req.request_id!r}", lambda r=req: scheduler.preempt(r))
+        for req in reversed(list(scheduler.pass_admitted)):
+            if req is st.culprit:
+                attempt("failing the request", lambda r=req: scheduler.fail(r, st.culprit_error))
+            else:
+                attempt(f"requeueing request {req.request_id!r}",
+                        lambda r=req: scheduler.requeue(r))
+
+        # 2. Close the manager's pass (now without those requests): its table rows and hot
+        # updates may concern requests that keep running, so they reach the device.
+        def close_pass() -> None:
+            st.plan = manager.build_plan()
+
+        if st.plan is None:
+            attempt("closing the scheduler pass", close_pass)
+        lost = runner.device_state_lost()
+        if not lost and st.plan is not None and not st.state_applied:
+            lost = not attempt("applying the plan's tables and hot updates",
+                               lambda: runner.apply_plan_state(st.plan))
+        # 3. Transfers the worker never got: failed (spills go back to dirty, restores fail
+        # their request).
+        failed: list[int] = []
+        if st.plan is not None:
+            if not st.restores_handed:
+                failed += [r.transfer_id for r in st.plan.restores]
+            if not st.spills_handed:
+                failed += [t.transfer_id for t in st.plan.spills]
+        if failed:
+            attempt("reporting unsent transfers as failed",
+                    lambda: manager.on_transfers(failed=failed))
+        # 4. Device arrays lost: rebuild them; every running request is recomputed.
+        if lost or runner.device_state_lost():
+            for req in list(scheduler.running.values()):
+                attempt(f"preempting request {req.request_id!r}",
+                        lambda r=req: scheduler.preempt(r))
+            attempt("rebuilding the device state",
+                    lambda: runner.reset_device_state(manager.tables.full_update()))
+            self.metrics.device_resets += 1
+        scheduler.pass_decode, scheduler.pass_admitted = [], []
+        if error is not None:
+            for note in notes:
+                error.add_note(note)
+        elif notes:
+            raise RuntimeError("; ".join(notes))
 
     # ------------------------------------------------------------------ metrics
 
@@ -252,8 +519,9 @@ class Engine:
 
     def summary(self) -> dict[str, Any]:
         """Derived figures of the run so far (`hisparse_jax.engine.metrics.summarise`)."""
+        reasons = collections.Counter(r.finish_reason for r in self.finished.values())
         return summarise(self.metrics, self._clock, mode=self.mode,
-                         requests_finished=len(self.finished),
+                         requests_finished=len(self.finished), finish_reasons=reasons,
                          stats=self.scheduler.manager.stats, device_bytes=self.device_bytes(),
                          device_allocator_bytes=self.allocator_bytes_in_use(),
                          host_bytes=self.host_bytes(), gpu_blocks=self.num_gpu_blocks)

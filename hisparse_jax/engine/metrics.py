@@ -1,10 +1,46 @@
-"""`Metrics` (the counters of an engine run) and the summary figures derived from them."""
+"""`Metrics` (the counters of an engine run) and the summary figures derived from them.
+
+Step times exclude compilation: the first call of each jitted step variant, and any step
+during which this process compiled something (a bucketed helper's new size: a spill row
+list, a table update, a hot-state update), count in `compile_seconds` instead
+(`CompileWatch` counts XLA compilations through `jax.monitoring`). `Engine.warmup` compiles
+everything ahead (`warmup_seconds`), so that no served step compiles.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping
+import threading
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
+
+import jax
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileWatch:
+    """XLA compilations of this process, counted through `jax.monitoring` (one listener,
+    registered by the first `start()`): `count` and `seconds` only grow."""
+
+    count = 0
+    seconds = 0.0
+    _lock = threading.Lock()
+    _started = False
+
+    @classmethod
+    def start(cls) -> None:
+        with cls._lock:
+            if not cls._started:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._started = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **_: Any) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            with cls._lock:
+                cls.count += 1
+                cls.seconds += duration
 
 
 @dataclasses.dataclass
@@ -21,13 +57,15 @@ class Metrics:
     hot_misses: int = 0
     rows_moved: int = 0
     bytes_moved: int = 0
-    decode_seconds: float = 0.0  # first call of each jitted variant excluded (compile)
+    decode_seconds: float = 0.0  # steps that compiled excluded (see the module docstring)
     prefill_seconds: float = 0.0
-    compile_seconds: float = 0.0  # first calls (trace + compile + run)
+    compile_seconds: float = 0.0  # first calls and calls that compiled (trace + compile + run)
+    warmup_seconds: float = 0.0  # Engine.warmup
     wall_seconds: float = 0.0
     rows_moved_per_step: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
     waits: int = 0
+    device_resets: int = 0  # device arrays rebuilt after a failed step lost them
 
     def record_decode(self, *, fast: bool, hits: int, misses: int, index_group_size: int,
                       row_bytes: int) -> None:
@@ -45,41 +83,47 @@ class Metrics:
 
 class StepClock:
     """Splits call times into compile time (the first call of each jitted variant: trace,
-    compile and run) and steady-state time, and counts the steady-state decode tokens."""
+    compile and run; or a call during which something compiled) and steady-state time, and
+    counts the steady-state decode tokens."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.compiled: set[Hashable] = set()
         self.decode_tokens = 0  # tokens of steady-state (timed) decode steps
+        self.timed_decode_steps = 0  # decode steps whose time counted
 
-    def account(self, variant: Hashable, seconds: float, field: str) -> bool:
+    def account(self, variant: Hashable, seconds: float, field: str, *,
+                compiled: bool = False) -> bool:
         """Adds a call's time to `metrics.<field>`, or to compile_seconds for a variant's
-        first call; True when the time was counted as steady-state."""
-        if variant in self.compiled:
+        first call or a call during which something `compiled`; True when the time was
+        counted as steady-state."""
+        if variant in self.compiled and not compiled:
             setattr(self.metrics, field, getattr(self.metrics, field) + seconds)
+            self.timed_decode_steps += field == "decode_seconds"
             return True
         self.compiled.add(variant)
         self.metrics.compile_seconds += seconds
         return False
 
-    @property
-    def timed_decode_steps(self) -> int:
-        """Decode steps whose time counted (decode variants are named by str, prefills by
-        tuples)."""
-        return self.metrics.decode_steps - len([v for v in self.compiled if isinstance(v, str)])
+    def mark_compiled(self, variants: Iterable[Hashable]) -> None:
+        """Variants compiled ahead (`Engine.warmup`): their first served call is timed."""
+        self.compiled.update(variants)
 
 
 def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int,
               stats: Mapping[str, int], device_bytes: int, device_allocator_bytes: int | None,
-              host_bytes: int, gpu_blocks: int) -> dict[str, Any]:
+              host_bytes: int, gpu_blocks: int,
+              finish_reasons: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The summary figures of a run (`Engine.summary`). `stats`: the residency manager's
-    counters (spills, unpinned_pages, lost_pages, hot_grants; absent ones count 0)."""
+    counters (spills, unpinned_pages, lost_pages, hot_grants; absent ones count 0);
+    `finish_reasons`: finished requests per finish reason."""
     lookups = m.hot_hits + m.hot_misses
     steps = max(m.decode_steps, 1)
     timed_steps = clock.timed_decode_steps
     return {
         "mode": mode,
         "requests_finished": requests_finished,
+        "finish_reasons": dict(finish_reasons or {}),
         "prompt_tokens": m.prompt_tokens,
         "generated_tokens": m.generated_tokens,
         "decode_steps": m.decode_steps,
@@ -88,6 +132,9 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         if m.decode_seconds else 0.0,
         "decode_step_ms": 1e3 * m.decode_seconds / timed_steps if timed_steps else 0.0,
         "compile_seconds": m.compile_seconds,
+        "warmup_seconds": m.warmup_seconds,
+        "step_times": "exclude compilation (first calls and steps that compiled count in "
+                      "compile_seconds; Engine.warmup in warmup_seconds)",
         "tokens_per_s": m.generated_tokens / m.wall_seconds if m.wall_seconds else 0.0,
         "hot_lookups": lookups,
         "hot_hit_rate": m.hot_hits / lookups if lookups else float("nan"),
@@ -101,6 +148,7 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         "hot_grants": stats.get("hot_grants", 0),
         "preemptions": m.preemptions,
         "waits": m.waits,
+        "device_resets": m.device_resets,
         "device_bytes": device_bytes,
         "device_allocator_bytes": device_allocator_bytes,
         "host_bytes": host_bytes,

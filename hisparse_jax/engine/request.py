@@ -7,19 +7,29 @@ from collections.abc import Hashable
 
 import numpy as np
 
+FINISH_REASONS = ("stop", "length", "max_model_len", "error", "cancelled")
+"""`Request.finish_reason` once a request finished: a stop token (kept in the output),
+`max_new_tokens` generated, `max_model_len` tokens in all (requests added with
+max_new_tokens=None), a failure of this request (`Request.error` says what), or
+`Engine.cancel`."""
+
 
 @dataclasses.dataclass
 class Request:
     """A generation request and its progress.
 
     `seat` is its state row while it runs (batch row `seat` of the decode step serves it),
-    -1 before admission. `attention` holds per-layer attention outputs per generated token
-    when `EngineConfig.collect_attention` is set.
+    -1 before admission. `index` is its add_request order (it seeds the top-k source and the
+    synthetic prefill rows); `seed` picks its sampling keys (the key of its i-th sampled token
+    is a function of (EngineConfig.seed, seed, i); by default seed = index). `max_new_tokens`
+    None: generate until max_model_len tokens. `finish_reason` is one of `FINISH_REASONS` once
+    it finished; `error` the message when it is "error". `attention` holds per-layer
+    attention outputs per generated token when `EngineConfig.collect_attention` is set.
     """
 
     request_id: Hashable
     prompt: tuple[int, ...]  # a tuple of ints: untracked by the GC (long prompts stay cheap)
-    max_new_tokens: int
+    max_new_tokens: int | None
     index: int = 0  # order of add_request (seeds the top-k source and synthetic rows)
     temperature: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
@@ -28,6 +38,13 @@ class Request:
     finish_reason: str | None = None
     attention: list[np.ndarray] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+    seed: int | None = None  # sampling seed; None: `index`
+    error: str | None = None
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of its sampling keys: `seed`, or `index` when none was given."""
+        return self.index if self.seed is None else self.seed
 
     @property
     def tokens(self) -> list[int]:

@@ -67,6 +67,10 @@ class StaticResidency:
         self._seats: dict[Hashable, _Seat] = {}
         self._pass: list[Hashable] = []
         self._step = 0
+        self.max_model_len = cfg.max_model_len
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._seats
 
     # ------------------------------------------------------------------ Coordinator API
 
@@ -117,12 +121,34 @@ class StaticResidency:
             pending_pages=frozenset(), unpinned_pages=frozenset(), ready_prefix_pages=0,
             published_pages=0)
 
+    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
+        """None: a state row's blocks hold any request of at most max_model_len tokens."""
+        del num_prompt_tokens
+        if max_total_tokens > self.max_model_len:
+            return (f"a request of {max_total_tokens} tokens does not fit a state row's "
+                    f"{self.max_pages} blocks of {self.block_size} (max_model_len="
+                    f"{self.max_model_len})")
+        return None
+
     def finish(self, request_id: Hashable) -> None:
-        heapq.heappush(self._free_rows, self._seats.pop(request_id).state_row)
+        seat = self._seats.pop(request_id)
+        if seat.scheduled:  # scheduled in the open pass, but its step will not run
+            self._pass.remove(request_id)
+        heapq.heappush(self._free_rows, seat.state_row)
+
+    def cancel(self, request_id: Hashable) -> None:
+        self.finish(request_id)
 
     def preempt(self, request_id: Hashable) -> None:
         self.finish(request_id)
         self.stats["preemptions"] += 1
+
+    def abort(self, request_id: Hashable) -> None:
+        self.finish(request_id)
+        self.stats["aborts"] += 1
+
+    def failed_requests(self) -> tuple[Hashable, ...]:
+        return ()  # nothing is ever copied
 
     def has_pending_transfers(self) -> bool:
         return False

@@ -13,8 +13,15 @@
     layer and position, written straight into the caches; the first generated token is the
     prompt's last token).
   * A plan is executed in order: block-table rows -> hot resets / invalidations (every index
-    group's hot state) -> restores (`before_forward`) -> the forward (decode, prefills) ->
-    spills (`after_forward`, enqueued without waiting).
+    group's hot state) (`apply_plan_state`) -> restores (`restore`) -> the forward (decode,
+    prefills) -> spills (`after_forward`, enqueued without waiting).
+  * Sampling draws with per-request keys (`hisparse_jax.engine.sampler.token_keys`): the
+    steps take the engine's base key, each row's sampling seed and the index of the token it
+    samples.
+  * `warmup` compiles every shape a run can reach (module `warmup` docstring); `CompileWatch`
+    tells the engine which calls compiled, so their time is not counted as step time.
+  * After a failure the engine asks `device_state_lost` and, when the device arrays cannot
+    be trusted, rebuilds them (`reset_device_state`).
 
 Seat = state row: batch row n of the decode step serves the request whose state row is n, so
 the per-state-row tables and hot state are read without any renumbering.
@@ -38,15 +45,31 @@ from flax import nnx
 from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache, Residency
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine.config import EngineConfig
+from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.request import Request
-from hisparse_jax.engine.sampler import KeyStream, sample
+from hisparse_jax.engine.sampler import base_key, sample, token_keys
 from hisparse_jax.nn import DecodeBatch, DecodeCache, Transformer
-from hisparse_jax.state import apply_hot_updates
-from host_tier.plan import StepPlan
-from host_tier.sizes import round_up
+from hisparse_jax.state import apply_hot_updates, invalidation_width, warm_hot_updates
+from host_tier.plan import StepPlan, TableRows, TableUpdate
+from host_tier.sizes import pow2_bucket, round_up
+from host_tier.worker.device_tables import MIN_ROWS_BUCKET as _TABLE_BUCKET
+from host_tier.worker.transfer import MIN_ROWS_BUCKET as _SPILL_BUCKET
 
 # Donation is a no-op on some CPU builds; the warning says nothing actionable here.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+def _pow2_sizes(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, ..., hi (powers of two, lo <= hi)."""
+    sizes = [lo]
+    while sizes[-1] < hi:
+        sizes.append(2 * sizes[-1])
+    return sizes
+
+
+def _int32_bits(value: int) -> int:
+    """An int's low 32 bits as an int32 (sampling seeds are folded in as uint32)."""
+    return (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
 def variant_name(residency: Residency) -> str:
@@ -72,18 +95,21 @@ class PendingDecode:
     started: float  # perf_counter() at dispatch
     tokens: jax.Array  # int32[max_seats]
     aux: dict[str, jax.Array]
+    compiles: int  # CompileWatch.count before the dispatch
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
     """A collected decode step: tokens int[max_seats] by seat, hot hits / misses summed over
-    rows and groups, attention [L, max_seats, h, kv_lora] when collected."""
+    rows and groups, attention [L, max_seats, h, kv_lora] when collected; `compiled`: this
+    process compiled something between the dispatch and the collection."""
 
     tokens: np.ndarray
     hits: int
     misses: int
     attention: np.ndarray | None
     seconds: float
+    compiled: bool = False
 
 
 class Runner:
@@ -112,23 +138,13 @@ class Runner:
         # host time than the rest of the call's dispatch.
         leaves, self._params_treedef = jax.tree.flatten(params)
         self.params = self._put(leaves)
-        # With an external top-k source the indexer never runs: no key cache to speak of.
-        key_shape = ((1, 1, mc.index_dim) if ec.topk_source is not None
-                     else (cfg.max_num_reqs, cfg.max_model_len, mc.index_dim))
-        kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=residency,
-                                    index_group_size=mc.index_group_size,
-                                    ops_backend=ec.ops_backend)
-        self.cache = self._put(DecodeCache(
-            kv=kv, index_keys=tuple(jnp.zeros(key_shape, cfg.kv_dtype)
-                                    for _ in range(mc.num_groups))))
-        self.topk_source = self.topk_state = None
+        self.topk_source = None
         if ec.topk_source is not None:
             self.topk_source = ec.topk_source.bind(num_groups=mc.num_groups, top_k=mc.top_k)
-            self.topk_state = self._put(self.topk_source.init_state(
-                max_seats=cfg.max_num_reqs, max_model_len=cfg.max_model_len,
-                num_groups=mc.num_groups, top_k=mc.top_k))
-        self.keys = KeyStream(ec.seed, device)
+        self._init_device_state()
+        self.sample_key = self._put(base_key(ec.seed))
         self.trace_counts: collections.Counter[str] = collections.Counter()
+        self.warmed: dict[str, list[Any]] = {}  # the buckets `warmup` compiled, by kind
         # The jitted steps, built once per variant: {"decode_fast", "decode_hot", "prefill"}.
         self.jitted: dict[str, Callable[..., Any]] = {}
         for variant in dict.fromkeys([AllResident(), residency]):
@@ -140,20 +156,72 @@ class Runner:
         """Commits a pytree of arrays to the runner's device."""
         return jax.device_put(tree, self.device)
 
+    def _init_device_state(self) -> None:
+        """Fresh device state: zero KV and index-key caches, empty hot states, the top-k
+        source's initial state (the block tables are the caller's)."""
+        ec, cfg, mc = self.config, self.cfg, self.model_config
+        # With an external top-k source the indexer never runs: no key cache to speak of.
+        key_shape = ((1, 1, mc.index_dim) if ec.topk_source is not None
+                     else (cfg.max_num_reqs, cfg.max_model_len, mc.index_dim))
+        kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=self.residency,
+                                    index_group_size=mc.index_group_size,
+                                    ops_backend=ec.ops_backend)
+        self.cache = self._put(DecodeCache(
+            kv=kv, index_keys=tuple(jnp.zeros(key_shape, cfg.kv_dtype)
+                                    for _ in range(mc.num_groups))))
+        self.topk_state = None
+        if self.topk_source is not None:
+            self.topk_state = self._put(self.topk_source.init_state(
+                max_seats=cfg.max_num_reqs, max_model_len=cfg.max_model_len,
+                num_groups=mc.num_groups, top_k=mc.top_k))
+
+    def _device_arrays(self) -> list[jax.Array]:
+        return (jax.tree.leaves(self.cache) + jax.tree.leaves(self.topk_state)
+                + [self.tables.src, self.tables.res, self.tables.hot])
+
+    def device_state_lost(self) -> bool:
+        """Whether a device array the steps carry over (caches, hot states, block tables,
+        top-k state) was lost: deleted (donated to a call that failed) or poisoned (a failed
+        computation produced it). Waits for the arrays."""
+        arrays = self._device_arrays()
+        if any(a.is_deleted() for a in arrays):
+            return True
+        try:
+            jax.block_until_ready(arrays)
+        except Exception:  # noqa: BLE001 - a failed computation's output raises here
+            return True
+        return False
+
+    def reset_device_state(self, tables: TableUpdate) -> None:
+        """Rebuilds the device state from scratch (`_init_device_state`; zero block tables
+        that then get `tables`, e.g. the manager's `tables.full_update()`). The caller has
+        released every request whose rows lived there (they are recomputed)."""
+        self._init_device_state()
+        self.tables = type(self.tables).from_config(self.cfg, device=self.device)
+        self.tables.apply(tables)
+
     def _set_cache(self, cache: DecodeCache) -> None:
         """Keeps the cache under the mode's residency between steps (one prefill variant)."""
         self.cache = _with_residency(cache, self.residency)
 
     # ------------------------------------------------------------------ plan execution
 
-    def before_forward(self, plan: StepPlan) -> None:
-        """Table rows, hot resets / invalidations, then restores of a plan."""
+    def apply_plan_state(self, plan: StepPlan) -> None:
+        """A plan's table rows, then its hot resets / invalidations. Idempotent: applying a
+        plan's state again changes nothing more."""
         self.tables.apply(plan.tables)
-        if not (plan.hot_resets or plan.hot_invalidations or plan.restores):
+        if not (plan.hot_resets or plan.hot_invalidations):
             return  # the common decode step: nothing else to apply
         kv = self.cache.kv
         kv = dataclasses.replace(kv, hot=tuple(
             apply_hot_updates(plan, h, block_size=self.cfg.block_size) for h in kv.hot))
+        self.cache = dataclasses.replace(self.cache, kv=kv)
+
+    def restore(self, plan: StepPlan) -> None:
+        """Hands a plan's restores to the transfer worker (into every layer's cache)."""
+        if not plan.restores:
+            return
+        kv = self.cache.kv
         kv = dataclasses.replace(kv, caches=tuple(self.transfers.before_forward(plan,
                                                                                 kv.caches)))
         self.cache = dataclasses.replace(self.cache, kv=kv)
@@ -171,24 +239,34 @@ class Runner:
         positions = np.zeros(S, np.int32)
         state_rows = np.full(S, -1, np.int32)
         temperature = np.zeros(S, np.float32)
+        seeds = np.zeros(S, np.int32)
         steps = np.zeros(S, np.int32)
         for req in reqs:
             tokens[req.seat] = req.generated[-1]
             positions[req.seat] = req.num_tokens - 1
             state_rows[req.seat] = req.seat
             temperature[req.seat] = req.temperature
+            seeds[req.seat] = _int32_bits(req.sampling_seed)
             steps[req.seat] = len(req.generated) - 1  # decode steps since the prefill
-        host_pools = self.host_pool.arrays if residency.reads_host else ()
+        compiles = CompileWatch.count
         t0 = time.perf_counter()
-        tokens, positions, state_rows, temperature, steps = self._put(
-            (tokens, positions, state_rows, temperature, steps))
+        next_tokens, aux = self._decode(residency, tokens, positions, state_rows, temperature,
+                                        seeds, steps)
+        return PendingDecode(reqs, residency, t0, next_tokens, aux, compiles)
+
+    def _decode(self, residency: Residency, *host_arrays: np.ndarray
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Dispatches the decode variant of `residency` on host-built arrays (tokens,
+        positions, state_rows, temperature, seeds, steps; int32/float32 [max_seats])."""
+        tokens, positions, state_rows, temperature, seeds, steps = self._put(host_arrays)
+        host_pools = self.host_pool.arrays if residency.reads_host else ()
         tables = (self.tables.src, self.tables.res, self.tables.hot)
         cache = _with_residency(self.cache, residency)
         next_tokens, cache, aux = self.jitted[variant_name(residency)](
             self.params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
-            *self.keys.next(), self.topk_state, steps)
+            self.sample_key, seeds, self.topk_state, steps)
         self._set_cache(cache)
-        return PendingDecode(reqs, residency, t0, next_tokens, aux)
+        return next_tokens, aux
 
     def collect_decode(self, pending: PendingDecode) -> DecodeResult:
         """Waits for a dispatched decode step's tokens and counters."""
@@ -196,37 +274,135 @@ class Runner:
                                                pending.aux["misses"]))
         seconds = time.perf_counter() - pending.started
         attention = np.asarray(pending.aux["attention"]) if "attention" in pending.aux else None
-        return DecodeResult(tokens, int(hits.sum()), int(misses.sum()), attention, seconds)
+        return DecodeResult(tokens, int(hits.sum()), int(misses.sum()), attention, seconds,
+                            compiled=CompileWatch.count != pending.compiles)
 
     # ------------------------------------------------------------------ prefill
 
+    def prefill_length(self, num_tokens: int) -> int:
+        """The padded length T of a prompt of `num_tokens` tokens: a multiple of
+        `prefill_bucket`, at most max_model_len (one compiled prefill per T)."""
+        return min(round_up(num_tokens, self.config.prefill_bucket), self.cfg.max_model_len)
+
     def prefill(self, req: Request, res_blocks: np.ndarray
-                ) -> tuple[int, np.ndarray | None, float, Hashable]:
+                ) -> tuple[int, np.ndarray | None, float, Hashable, bool]:
         """Prefills an admitted request into its resident blocks `res_blocks` (int64[pages]);
-        returns (sampled token, attention [L, h, kv_lora] or None, seconds, variant)."""
-        ec, B = self.config, self.cfg.block_size
+        returns (sampled token, attention [L, h, kv_lora] or None, seconds, variant, whether
+        something compiled meanwhile)."""
+        B = self.cfg.block_size
         tokens = req.tokens
         n = len(tokens)
-        T = min(round_up(n, ec.prefill_bucket), self.cfg.max_model_len)
+        T = self.prefill_length(n)
         padded = np.zeros(T, np.int32)
         padded[:n] = tokens
         pos = np.arange(n)
         write_rows = np.full(T, -1, np.int32)
         write_rows[:n] = res_blocks[pos // B] * B + pos % B
+        compiles = CompileWatch.count
         if self.topk_source is not None:
             self.topk_state = self.topk_source.admit(self.topk_state, req.seat, req.index, n)
         t0 = time.perf_counter()
-        args = [self.params, self.cache,
-                *self._put((padded, np.int32(n), np.int32(req.seat), write_rows,
-                            np.float32(req.temperature))),
-                *self.keys.next()]
-        if ec.synthetic_prefill:
-            args.append(np.int32(req.index))
-        token, cache, aux = self.jitted["prefill"](*args)
+        token, aux = self._prefill(padded, n, req.seat, write_rows, req.temperature,
+                                   req.sampling_seed, len(req.generated), req.index)
         token = int(token)
-        self._set_cache(cache)
         attention = np.asarray(aux["attention"]) if "attention" in aux else None
-        return token, attention, time.perf_counter() - t0, ("prefill", T)
+        return (token, attention, time.perf_counter() - t0, ("prefill", T),
+                CompileWatch.count != compiles)
+
+    def _prefill(self, padded: np.ndarray, length: int, seat: int, write_rows: np.ndarray,
+                 temperature: float, seed: int, token_index: int, request_index: int
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Dispatches the prefill of padded tokens int32[T] (the first `length` real) written
+        to flat rows write_rows int32[T] (-1: none) and index-key row `seat` (out of range:
+        none); samples token `token_index` of sampling seed `seed`."""
+        args = [self.params, self.cache,
+                *self._put((padded, np.int32(length), np.int32(seat), write_rows,
+                            np.float32(temperature))),
+                self.sample_key, *self._put((np.int32(_int32_bits(seed)),
+                                             np.int32(token_index)))]
+        if self.config.synthetic_prefill:
+            args.append(np.int32(request_index))
+        token, cache, aux = self.jitted["prefill"](*args)
+        self._set_cache(cache)
+        return token, aux
+
+    # ------------------------------------------------------------------ warmup
+
+    def warmup(self, *, max_spill_pages: int) -> list[Hashable]:
+        """Compiles every shape bucket a run can reach, with inputs that change no state a
+        request can see (call it while no request is admitted). Returns the step variants it
+        compiled (for the step clock); `warmed` lists every bucket by kind ("decode",
+        "prefill", "table_rows", "invalidation_widths", "spill_rows").
+
+        Reached by a run, and compiled here:
+          * each decode variant (`jitted`; "decode_fast" only when the mode can take the fast
+            path): every batch row padding (state row -1 writes and selects nothing);
+          * the prefill at every padded length `prefill_length(n)`, n = 1 .. max_model_len - 1
+            (the prompt of a request, or prompt + generated[:-1] after a preemption, is
+            shorter than max_model_len): writes to no row (-1) and index-key row S (dropped);
+          * the top-k source's `admit` (seat 0, a free seat: the next admission rewrites it);
+          * the block-table updates (`host_tier.DeviceBlockTables.apply`) of every row count
+            bucket up to S rows per table: the current rows sent again;
+          * the hot-state updates (`hisparse_jax.state.warm_hot_updates`) for invalidations of
+            up to max_pages blocks;
+          * the transfer worker's spill copies (`mirror_fn`) of every row-list bucket up to
+            `max_spill_pages` pages per plan (the coordinator's spill budget), every row -1
+            (skipped), into every layer's pool. Restores are planned only with prefix
+            caching, which the engine does not enable: none is compiled.
+        """
+        cfg, S = self.cfg, self.cfg.max_num_reqs
+        warmed: dict[str, list[Any]] = collections.defaultdict(list)
+        zeros = np.zeros(S, np.int32)
+        for name, residency in self._reachable_variants():
+            jax.block_until_ready(self._decode(residency, zeros, zeros, np.full(S, -1, np.int32),
+                                               np.zeros(S, np.float32), zeros, zeros))
+            warmed["decode"].append(name)
+        for T in sorted({self.prefill_length(n) for n in range(1, cfg.max_model_len)}):
+            token, _ = self._prefill(np.zeros(T, np.int32), 1, S, np.full(T, -1, np.int32),
+                                     0.0, 0, 0, 0)
+            jax.block_until_ready(token)
+            warmed["prefill"].append(T)
+        if self.topk_source is not None:
+            self.topk_state = self.topk_source.admit(self.topk_state, 0, 0, 1)
+        current = self.tables.as_numpy()
+        for size in _pow2_sizes(_TABLE_BUCKET, pow2_bucket(S, _TABLE_BUCKET)):
+            rows = np.arange(min(size, S), dtype=np.int32)
+            self.tables.apply(TableUpdate(**{g: TableRows(rows, current[g][rows])
+                                             for g in ("src", "res", "hot")}))
+            warmed["table_rows"].append(size)
+        if self.residency.reads_host:
+            kv = self.cache.kv
+            kv = dataclasses.replace(kv, hot=tuple(
+                warm_hot_updates(h, block_size=cfg.block_size, max_blocks=cfg.max_pages)
+                for h in kv.hot))
+            self.cache = dataclasses.replace(self.cache, kv=kv)
+            warmed["invalidation_widths"] = _pow2_sizes(invalidation_width(1),
+                                                        invalidation_width(cfg.max_pages))
+            warmed["spill_rows"] = self._warm_spills(max_spill_pages)
+        jax.block_until_ready(self._device_arrays())
+        self.warmed = dict(warmed)
+        return warmed["decode"] + [("prefill", T) for T in warmed["prefill"]]
+
+    def _reachable_variants(self) -> list[tuple[str, Residency]]:
+        out = []
+        if not self.residency.reads_host or self.residency.resident_fast_path:
+            out.append(("decode_fast", AllResident()))
+        if self.residency.reads_host:
+            out.append(("decode_hot", self.residency))
+        return out
+
+    def _warm_spills(self, max_spill_pages: int) -> list[int]:
+        """The spill copies of every row-list bucket (`host_tier/worker/transfer.py`: row
+        lists padded with -1 to a power of two >= its MIN_ROWS_BUCKET); returns the sizes."""
+        pool, mirror = self.host_pool, self.transfers.mirror_fn
+        sharding = jax.sharding.SingleDeviceSharding(next(iter(pool.sharding.device_set)))
+        top = pow2_bucket(max_spill_pages * self.cfg.block_size, _SPILL_BUCKET)
+        for size in _pow2_sizes(_SPILL_BUCKET, top):
+            rows = jax.device_put(np.full(size, -1, np.int32), sharding)
+            for i, kv in enumerate(self.cache.kv.caches):
+                pool.replace_layer(i, mirror(kv, pool.layer(i), rows, rows))
+        jax.block_until_ready(pool.arrays)
+        return _pow2_sizes(_SPILL_BUCKET, top)
 
     # ------------------------------------------------------------------ jitted steps
 
@@ -251,9 +427,9 @@ class Runner:
         source = self.topk_source
 
         def step(params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
-                 key, counter, topk_state, steps):
+                 key, seeds, topk_state, steps):
             params = jax.tree.unflatten(treedef, params)
-            key = jax.random.fold_in(key, counter)
+            keys = token_keys(key, seeds, steps + 1)  # token i = len(generated) is sampled
             src, res, hot = tables
             kv = CacheBatch.from_tables(state_rows, positions, src=src, res=res, hot=hot,
                                         host_pools=host_pools)
@@ -263,7 +439,7 @@ class Runner:
             logits, cache, aux = model.decode(
                 cache, DecodeBatch(tokens, kv, topk), attention_backend=ec.attention_backend,
                 collect_attention=ec.collect_attention)
-            return sample(logits, temperature, key), cache, aux
+            return sample(logits, temperature, keys), cache, aux
 
         return jax.jit(self._wrap(step, name), donate_argnames=("cache",))
 
@@ -271,14 +447,14 @@ class Runner:
         graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
 
         def prefill(params, cache, tokens, length, state_row, write_rows, temperature, key,
-                    counter):
+                    seed, token_index):
             params = jax.tree.unflatten(treedef, params)
-            key = jax.random.fold_in(key, counter)
+            keys = token_keys(key, seed[None], token_index[None])
             model = nnx.merge(graphdef, params)
             logits, cache, aux = model.prefill(
                 cache, tokens, length, state_row, write_rows,
                 attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
-            return sample(logits[None], temperature[None], key)[0], cache, aux
+            return sample(logits[None], temperature[None], keys)[0], cache, aux
 
         return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",))
 
@@ -287,8 +463,8 @@ class Runner:
         base = jax.random.PRNGKey(self.config.seed)
 
         def prefill(params, cache, tokens, length, state_row, rows_at, temperature, key,
-                    counter, request_index):
-            del params, state_row, temperature, key, counter
+                    seed, token_index, request_index):
+            del params, state_row, temperature, key, seed, token_index
             T = tokens.shape[0]
             req_key = jax.random.fold_in(base, request_index)
             pos = jnp.arange(T, dtype=jnp.int32)

@@ -14,6 +14,13 @@ the transfer worker's reports):
   5. the plan is built, and the step's residency chosen: `AllResident` when the mode allows
      it and every scheduled request's pages are resident (the fast path), else the mode's.
 
+Requests are transactions. A request whose admission raises, or that can never make progress
+(a lone request that stalls, a waiting request an idle engine cannot admit, a page restore
+the worker reports failed), is released (`manager.abort`) and finished with
+finish_reason="error" and `Request.error`; the others go on. The scheduler keeps the
+requests of the open pass (`pass_decode`, `pass_admitted`) until the engine has run their
+step, so that an engine step that fails half-way can put them back (`preempt`, `requeue`).
+
 The manager is a `host_tier.Coordinator` (HiSparse, naive offload) or a
 `hisparse_jax.engine.residency.StaticResidency` (all-resident); the worker a
 `host_tier.TransferEngine` or `NoTransfers`.
@@ -56,12 +63,20 @@ class Scheduler:
 
     Args:
       manager: the residency manager (Coordinator API: admit / schedule / build_plan /
-        finish / preempt / view / all_pages_resident / request_room / on_transfers /
-        has_pending_transfers, `device_pool.num_free`, `hot_blocks`, `stats`).
+        finish / cancel / preempt / abort / view / all_pages_resident / request_room /
+        on_transfers / has_pending_transfers / failed_requests / capacity_error, `in`,
+        `device_pool.num_free`, `hot_blocks`, `stats`).
       transfers: the transfer worker (`poll`, `num_in_flight`).
       cfg: sizes (max_num_reqs seats, block_size, max_model_len, num_gpu_blocks).
       residency: the mode's residency type.
       metrics: counters updated here (waits, preemptions, generated_tokens).
+
+    Attributes:
+      waiting: requests to admit, in order (preempted requests re-enter at the front).
+      running: admitted requests whose prefill ran, in admission order.
+      finished: every finished request, by id (whatever its finish reason).
+      pass_decode / pass_admitted: the requests of the open pass whose step has not
+        completed yet (decode tokens not recorded / prefill not run).
     """
 
     def __init__(self, manager: Any, transfers: Any, cfg: HiSparseConfig,
@@ -74,10 +89,23 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[Hashable, Request] = {}  # admission order
         self.finished: dict[Hashable, Request] = {}
+        self.pass_decode: list[Request] = []
+        self.pass_admitted: list[Request] = []
+        self.newly_finished: list[Request] = []  # since the engine last took them
+        self._unfinished: dict[Hashable, Request] = {}  # waiting, admitted or running
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def knows(self, request_id: Hashable) -> bool:
+        """Whether `request_id` names a waiting, running or finished request."""
+        return request_id in self._unfinished or request_id in self.finished
+
+    def submit(self, req: Request) -> None:
+        """Queues a validated request (its id is new)."""
+        self._unfinished[req.request_id] = req
+        self.waiting.append(req)
 
     def deliver(self, *, wait: bool = False) -> None:
         """Hands the worker's transfer reports to the manager (`wait`: for every copy)."""
@@ -88,8 +116,10 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """One scheduler pass; None when nothing runs this step."""
         manager, m = self.manager, self.metrics
+        self.pass_decode, self.pass_admitted = [], []
         self.deliver()
-        decode, waited = [], []
+        self._finish_failed_restores()
+        decode, waited = self.pass_decode, []
         for req in list(self.running.values()):
             result = manager.schedule(req.request_id, new_token_ids=[req.generated[-1]])
             (waited if result is not None else decode).append(req)
@@ -103,11 +133,11 @@ class Scheduler:
         if residency.resident_fast_path and all(
                 manager.all_pages_resident(req.request_id) for req in decode):
             residency = AllResident()
-        return ScheduledStep(plan, decode, admitted, residency)
+        return ScheduledStep(plan, list(decode), list(admitted), residency)
 
     def _admit(self) -> list[Request]:
         manager, hot_blocks = self.manager, self.manager.hot_blocks
-        admitted: list[Request] = []
+        admitted = self.pass_admitted
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_reqs:
             req = self.waiting[0]
             # Admission keeps a hot region's worth of blocks free while others run, so a
@@ -119,7 +149,12 @@ class Scheduler:
                 # Running requests move to hot regions and unpin pages until it fits.
                 manager.request_room(need + hot_blocks)
                 break
-            result = manager.admit(req.request_id, req.tokens)
+            try:
+                result = manager.admit(req.request_id, req.tokens)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self.waiting.popleft()
+                self.fail(req, f"admission failed: {type(e).__name__}: {e}")
+                continue
             if not hasattr(result, "state_row"):  # Wait
                 self.metrics.waits += 1
                 break
@@ -134,18 +169,29 @@ class Scheduler:
             self.deliver(wait=True)  # completions free blocks
         elif waited and len(self.running) == 1:
             # Re-admitting it would replay the same stall forever.
-            raise RuntimeError(
-                "Engine: a lone request cannot hold its pages plus a hot region in the "
-                f"device pool ({self.cfg.num_gpu_blocks} blocks, hot region "
-                f"{self.cfg.hot_blocks}); raise num_gpu_blocks")
+            self.fail(waited[0], (
+                "a lone request cannot hold its pages plus a hot region in the device pool "
+                f"({self.cfg.num_gpu_blocks} blocks, hot region {self.cfg.hot_blocks}); raise "
+                "num_gpu_blocks"))
         elif waited:
             self.preempt(waited[-1])
         elif self.waiting:
-            raise RuntimeError("Engine: a waiting request cannot be admitted into an idle "
-                               "engine; raise num_gpu_blocks / num_host_blocks")
+            self.fail(self.waiting.popleft(), (
+                "the request cannot be admitted into an idle engine; raise num_gpu_blocks / "
+                "num_host_blocks"))
+
+    def _finish_failed_restores(self) -> None:
+        """Requests whose page restore the worker reported failed (the manager's
+        `failed_requests`): their device rows cannot be trusted, they finish with an error."""
+        # TODO(H2 merge): call manager.failed_requests() directly.
+        for rid in getattr(self.manager, "failed_requests", tuple)():
+            req = self.running.get(rid)
+            if req is not None:
+                self.fail(req, "a page restore from the host pool failed")
 
     def start(self, req: Request) -> None:
         """An admitted request's prefill ran: it is running."""
+        self.pass_admitted.remove(req)
         self.running[req.request_id] = req
 
     def record(self, req: Request, token: int) -> bool:
@@ -154,29 +200,79 @@ class Scheduler:
         req.generated.append(token)
         self.metrics.generated_tokens += 1
         if token in req.stop_token_ids:
-            req.finish_reason = "stop"
-        elif len(req.generated) >= req.max_new_tokens:
-            req.finish_reason = "length"
+            reason = "stop"
+        elif req.max_new_tokens is not None and len(req.generated) >= req.max_new_tokens:
+            reason = "length"
         elif req.num_tokens >= self.cfg.max_model_len:
-            req.finish_reason = "max_model_len"
+            reason = "max_model_len"
         else:
             return False
-        del self.running[req.request_id]
-        self.finished[req.request_id] = req
         self.manager.finish(req.request_id)
+        self._finish(req, reason)
         return True
+
+    def fail(self, req: Request, message: str) -> None:
+        """Finishes `req` with finish_reason "error" and `error=message`, releasing what it
+        holds (`manager.abort`: nothing it computed is published) wherever it is: waiting
+        (the caller took it off the queue), admitted in the open pass, or running."""
+        if req.request_id in self.manager:
+            # TODO(H2 merge): self.manager.abort directly.
+            getattr(self.manager, "abort", self.manager.preempt)(req.request_id)
+        if req in self.pass_admitted:
+            self.pass_admitted.remove(req)
+        self._finish(req, "error", message)
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Cancels a waiting or running request (finish_reason "cancelled"); False when it
+        already finished. Raises ValueError for an unknown id. Call it between steps."""
+        req = self._unfinished.get(request_id)
+        if req is None:
+            if request_id in self.finished:
+                return False
+            raise ValueError(f"cancel: no request has request_id {request_id!r}")
+        if request_id in self.running:
+            self.manager.cancel(request_id)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+        return True
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        req.finish_reason, req.error = reason, error
+        self.running.pop(req.request_id, None)
+        self._unfinished.pop(req.request_id, None)
+        self.finished[req.request_id] = req
+        self.newly_finished.append(req)
+
+    def collected(self, req: Request) -> None:
+        """A request of the decode batch had its token recorded."""
+        self.pass_decode.remove(req)
 
     def preempt(self, req: Request) -> None:
         """Recompute preemption: the request re-enters the queue with its generated tokens;
         its last sampled token is recomputed by the next prefill (the rows are not reused)."""
         self.manager.preempt(req.request_id)
         del self.running[req.request_id]
+        if req in self.pass_decode:
+            self.pass_decode.remove(req)
         # Re-admission prefills prompt + generated[:-1] and samples generated[-1] again, so the
-        # last token is dropped here (greedy: the same token comes back).
+        # last token is dropped here (greedy, or the request's own key: the same token comes
+        # back).
         req.generated.pop()
         if req.attention:
             req.attention.pop()
         self.metrics.generated_tokens -= 1
         req.num_preemptions += 1
         self.metrics.preemptions += 1
+        req.seat = -1
+        self.waiting.appendleft(req)
+
+    def requeue(self, req: Request) -> None:
+        """An admitted request whose prefill did not run goes back to the front of the queue
+        (released like a preemption; its tokens are unchanged)."""
+        self.manager.preempt(req.request_id)
+        self.pass_admitted.remove(req)
+        req.num_preemptions += 1
+        self.metrics.preemptions += 1
+        req.seat = -1
         self.waiting.appendleft(req)

@@ -5,7 +5,12 @@ holds only part of the contexts, so the host tier spills pages, unpins them, los
 other requests and serves the lost rows through each request's hot region. Prints a
 progress bar over the decode steps and a summary (tokens/s, hot-buffer hit rate, rows and
 bytes moved host -> device, memory in use). `--all-resident` runs the baseline with every
-KV row on the device; `--check` runs both and compares the greedy tokens.
+KV row on the device; `--check` runs both and compares the generated tokens (greedy, or
+sampled under one `--seed` with `--temperature` > 0: sampling depends only on the seed, the
+request's order and the token's index, so both modes draw the same tokens).
+
+Every argument is checked before any work: a bad value or combination, or a configuration
+the engine refuses, prints one line naming the flag and the rule and exits with status 2.
 
     python3 examples/decode.py                       # tiny, CPU, under pressure
     python3 examples/decode.py --all-resident        # the baseline
@@ -16,6 +21,8 @@ KV row on the device; `--check` runs both and compares the greedy tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 import time
 
@@ -24,7 +31,19 @@ import numpy as np
 
 from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
+from host_tier import CapacityError
 from host_tier.sizes import cdiv, round_up
+
+MAX_SEED = 2**32 - 1          # jax.random.PRNGKey keeps the low 32 bits: larger seeds collide
+DEFAULT_GPU_POOL_FRACTION = 0.4
+MAX_HOT_SIZE = 32768          # hot slot ids are int16 (docs/semantics.md)
+# EngineConfig fields -> the flags that set them (to name the flag in an engine's refusal).
+FIELD_FLAGS = {"num_host_blocks": "--host-blocks", "num_gpu_blocks": "--gpu-blocks",
+               "host pool": "--host-blocks", "device pool": "--gpu-blocks / --gpu-pool-fraction",
+               "hot_size": "--hot-size", "block_size": "--block-size",
+               "max_model_len": "--max-model-len", "max_seats": "--seats",
+               "prefill_bucket": "--prefill-bucket", "top_k": "--top-k", "seed": "--seed",
+               "temperature": "--temperature", "max_new_tokens": "--gen-len"}
 
 
 class ProgressBar:
@@ -61,38 +80,213 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def run(args: argparse.Namespace, *, all_resident: bool, model=None) -> Engine:
-    cfg = nn.get_config(args.config, **({"top_k": args.top_k} if args.top_k else {}))
-    model = model or nn.init_model(cfg, seed=args.seed)
+# ------------------------------------------------------------------ argument types
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _int(text, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: an integer in [0, 2^32 - 1]."""
+    value = _int(text, f"an integer in [0, {MAX_SEED}]")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def pool_fraction(text: str) -> float:
+    """argparse type: a fraction in (0, 1]."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value:g}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="decode.py", usage="%(prog)s [options]",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default="tiny", choices=sorted(nn.CONFIGS))
+    p.add_argument("--requests", type=positive_int, default=6)
+    p.add_argument("--seats", type=positive_int, default=4,
+                   help="decode batch rows (max_num_reqs); at most --requests are used")
+    p.add_argument("--prompt-len", type=positive_int, default=64,
+                   help="longest prompt (random tokens, 3/4 of it to all of it)")
+    p.add_argument("--gen-len", type=positive_int, default=48, help="new tokens per request")
+    p.add_argument("--max-model-len", type=positive_int, default=128,
+                   help="longest request: --prompt-len + --gen-len must fit")
+    p.add_argument("--block-size", type=positive_int, default=4)
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help="override the config's top_k (default: the config's)")
+    p.add_argument("--hot-size", type=positive_int, default=None,
+                   help="hot-region rows per request, >= top_k (default: 2 * top_k rounded up "
+                        "to --block-size)")
+    p.add_argument("--gpu-blocks", type=positive_int, default=None,
+                   help="device pool blocks per layer (excludes --gpu-pool-fraction)")
+    p.add_argument("--gpu-pool-fraction", type=pool_fraction, default=None,
+                   help=f"without --gpu-blocks: device pool = this fraction in (0, 1] of the "
+                        f"contexts, never below what a lone request needs (default "
+                        f"{DEFAULT_GPU_POOL_FRACTION})")
+    p.add_argument("--host-blocks", type=positive_int, default=None,
+                   help="host pool blocks (default: one full-length request per seat, plus one)")
+    p.add_argument("--prefill-bucket", type=positive_int, default=64)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="model, prompts and sampling seed, in [0, 2^32 - 1]")
+    p.add_argument("--all-resident", action="store_true", help="no host tier (baseline)")
+    p.add_argument("--check", action="store_true",
+                   help="also run all-resident and require identical tokens (greedy, or "
+                        "sampled under --seed with --temperature > 0)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use jax's persistent compilation cache")
+    return p
+
+
+HOST_TIER_FLAGS = ("hot_size", "gpu_blocks", "gpu_pool_fraction", "host_blocks")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules between flags, before any work; `p.error` (exit 2) names the flags."""
+    total = args.prompt_len + args.gen_len
+    if total > args.max_model_len:
+        p.error(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = {total} exceeds "
+                f"--max-model-len {args.max_model_len}: a request's prompt and new tokens must "
+                f"fit in max_model_len")
+    if args.gpu_blocks is not None and args.gpu_pool_fraction is not None:
+        p.error("--gpu-blocks and --gpu-pool-fraction exclude each other (the fraction sizes "
+                "the device pool only without --gpu-blocks)")
+    if args.all_resident:
+        if args.check:
+            p.error("--check compares HiSparse with all-resident: it excludes --all-resident")
+        given = [f"--{f.replace('_', '-')}" for f in HOST_TIER_FLAGS
+                 if getattr(args, f) is not None]
+        if given:
+            p.error(f"{', '.join(given)} {'sizes' if len(given) == 1 else 'size'} the host "
+                    f"tier, which --all-resident does not use")
+    top_k = args.top_k if args.top_k is not None else nn.CONFIGS[args.config].top_k
+    if args.hot_size is not None and args.hot_size < top_k:
+        p.error(f"--hot-size {args.hot_size} must be >= top_k {top_k} (--top-k, or the "
+                f"{args.config} config's): the hot region takes a whole step's misses")
+    if args.hot_size is not None and args.hot_size > MAX_HOT_SIZE:
+        p.error(f"--hot-size {args.hot_size} must be <= {MAX_HOT_SIZE} (hot slot ids are "
+                f"int16)")
+    if args.top_k is not None and args.top_k > MAX_HOT_SIZE:
+        p.error(f"--top-k {args.top_k} must be <= {MAX_HOT_SIZE}: the hot region (>= top_k "
+                f"rows) holds at most {MAX_HOT_SIZE} slots")
+
+
+# ------------------------------------------------------------------ engine
+
+
+def model_config(args: argparse.Namespace) -> nn.ModelConfig:
+    return nn.get_config(args.config, **({} if args.top_k is None else {"top_k": args.top_k}))
+
+
+def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
+                  all_resident: bool) -> EngineConfig:
+    """The EngineConfig of one mode (sizes derived from the flags; builds nothing)."""
     B = args.block_size
     pages = cdiv(args.max_model_len, B)
-    hot_size = args.hot_size or round_up(2 * cfg.top_k, B)
+    hot_size = args.hot_size if args.hot_size is not None else round_up(2 * cfg.top_k, B)
     hot_blocks = cdiv(hot_size, B)
     seats = min(args.seats, args.requests)
-    if args.gpu_blocks:
+    if args.gpu_blocks is not None:
         gpu_blocks = args.gpu_blocks
     else:  # a fraction of what the contexts need, never below what one request needs
+        fraction = args.gpu_pool_fraction or DEFAULT_GPU_POOL_FRACTION
         ctx_pages = cdiv(args.prompt_len + args.gen_len, B)
         # (a lone request must fit its pages and its hot region, or it stalls forever)
-        gpu_blocks = max(int(args.gpu_pool_fraction * seats * ctx_pages),
-                         ctx_pages + hot_blocks + 3) + 1
-    host_blocks = args.host_blocks or 1 + (seats + 1) * pages
-    ec = EngineConfig(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
-                      hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
-                      all_resident=all_resident, prefill_bucket=args.prefill_bucket,
-                      seed=args.seed)
+        gpu_blocks = max(int(fraction * seats * ctx_pages), ctx_pages + hot_blocks + 3) + 1
+    host_blocks = (args.host_blocks if args.host_blocks is not None
+                   else 1 + (seats + 1) * pages)
+    kwargs = dict(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
+                  hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
+                  all_resident=all_resident, prefill_bucket=args.prefill_bucket,
+                  seed=args.seed)
+    kwargs.update(compile_cache_kwargs(args))
+    return EngineConfig(**kwargs)
+
+
+def compile_cache_kwargs(args: argparse.Namespace) -> dict:
+    """{"compilation_cache": False} with --no-compile-cache, else {} (the engine's default:
+    on)."""
+    if not args.no_compile_cache:
+        return {}
+    # merge: compilation_cache -- EngineConfig gains the field with the engine branch; an
+    # engine without it has no persistent cache to turn off. Drop this guard when it lands.
+    if "compilation_cache" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return {}
+    return {"compilation_cache": False}
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def refusal(error: BaseException, what: str) -> str:
+    """The one-line report of a configuration error, naming the flags behind the settings
+    its message names."""
+    text = one_line(error)
+    flags = sorted({flag for key, flag in FIELD_FLAGS.items() if key in text})
+    return f"{what}: {text}" + (f" (set by {', '.join(flags)})" if flags else "")
+
+
+def build_engine(args: argparse.Namespace, model, ec: EngineConfig) -> Engine:
+    """The engine of `ec` with the run's requests queued (raises ValueError / CapacityError
+    for a configuration or request it refuses)."""
     engine = Engine(model, ec)
-    rng = np.random.default_rng(args.seed)
-    for _ in range(args.requests):
-        length = int(rng.integers(max(1, args.prompt_len * 3 // 4), args.prompt_len + 1))
-        engine.add_request(rng.integers(0, cfg.vocab_size, length).tolist(),
-                           max_new_tokens=args.gen_len, temperature=args.temperature)
+    cfg = engine.model_config
+    try:
+        rng = np.random.default_rng(args.seed)
+        for _ in range(args.requests):
+            length = int(rng.integers(max(1, args.prompt_len * 3 // 4), args.prompt_len + 1))
+            engine.add_request(rng.integers(0, cfg.vocab_size, length).tolist(),
+                               max_new_tokens=args.gen_len, temperature=args.temperature)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def run(args: argparse.Namespace, engine: Engine) -> Engine:
+    """Decodes every queued request of `engine` with a progress bar; returns the engine."""
+    ec, cfg = engine.config, engine.model_config
     mode = engine.mode
     print(f"[{mode}] {cfg.name} on {jax.default_backend()} ({jax.devices()[0].device_kind}): "
-          f"{args.requests} requests on {seats} seats, prompts <= {args.prompt_len}, "
-          f"{args.gen_len} new tokens, top_k {cfg.top_k}, block {B}, hot {hot_size}, device "
-          f"pool {engine.num_gpu_blocks} blocks"
-          + ("" if all_resident else f", host pool {host_blocks} blocks"), flush=True)
+          f"{args.requests} requests on {ec.max_seats} seats, prompts <= {args.prompt_len}, "
+          f"{args.gen_len} new tokens, top_k {cfg.top_k}, block {ec.block_size}, hot "
+          f"{ec.hot_size}, device pool {engine.num_gpu_blocks} blocks"
+          + ("" if ec.all_resident else f", host pool {ec.num_host_blocks} blocks"), flush=True)
     bar = ProgressBar(args.requests * args.gen_len, mode)
 
     def on_step(e: Engine) -> None:
@@ -105,6 +299,18 @@ def run(args: argparse.Namespace, *, all_resident: bool, model=None) -> Engine:
     engine.run(on_step=on_step)
     bar.close()
     return engine
+
+
+def compare_tokens(hisparse: dict, resident: dict, *, temperature: float, seed: int
+                   ) -> tuple[str, bool]:
+    """The --check line and verdict: the finished requests (id -> Request) of both modes
+    have the same ids and, for each, the same generated tokens and finish reason."""
+    same = hisparse.keys() == resident.keys() and all(
+        hisparse[k].generated == resident[k].generated
+        and hisparse[k].finish_reason == resident[k].finish_reason for k in hisparse)
+    what = ("greedy tokens" if temperature == 0
+            else f"sampled tokens under seed {seed} (temperature {temperature:g})")
+    return f"{what} identical to all-resident: {same}", same
 
 
 def print_summary(engines: list[Engine]) -> None:
@@ -150,48 +356,41 @@ def print_summary(engines: list[Engine]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(nn.CONFIGS))
-    p.add_argument("--requests", type=int, default=6)
-    p.add_argument("--seats", type=int, default=4, help="decode batch rows (max_num_reqs)")
-    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (random tokens)")
-    p.add_argument("--gen-len", type=int, default=48, help="new tokens per request")
-    p.add_argument("--max-model-len", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=None, help="override the config's top_k")
-    p.add_argument("--hot-size", type=int, default=None, help="default 2 * top_k")
-    p.add_argument("--gpu-blocks", type=int, default=None, help="device pool blocks per layer")
-    p.add_argument("--gpu-pool-fraction", type=float, default=0.4,
-                   help="without --gpu-blocks: device pool = this fraction of the contexts")
-    p.add_argument("--host-blocks", type=int, default=None, help="host pool blocks")
-    p.add_argument("--prefill-bucket", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--all-resident", action="store_true", help="no host tier (baseline)")
-    p.add_argument("--check", action="store_true",
-                   help="also run all-resident and require identical greedy tokens")
+    p = build_parser()
     args = p.parse_args(argv)
+    check_args(p, args)
+    modes = [args.all_resident] + ([True] if args.check else [])
+    try:                                  # every config the run needs, before any work
+        cfg = model_config(args)
+        configs = [engine_config(args, cfg, all_resident=mode) for mode in modes]
+        for ec in configs:
+            ec.hisparse_config(cfg)       # the sizes' rules (HiSparseConfig), builds nothing
+    except (ValueError, TypeError) as e:
+        p.error(refusal(e, "invalid configuration"))
 
-    model = nn.init_model(nn.get_config(args.config, **(
-        {"top_k": args.top_k} if args.top_k else {})), seed=args.seed)
-    engines = [run(args, all_resident=args.all_resident, model=model)]
-    if args.check and not args.all_resident:
-        engines.append(run(args, all_resident=True, model=model))
-    print_summary(engines)
-    first = next(iter(engines[0].finished.values()))
-    print(f"request {first.request_id}: prompt[-8:] {list(first.prompt[-8:])} -> generated "
-          f"{first.generated[:16]}{' ...' if len(first.generated) > 16 else ''}")
-    if len(engines) == 2:
-        a, b = engines[0].finished, engines[1].finished
-        same = all(a[k].generated == b[k].generated for k in a)
-        print(f"greedy tokens identical to all-resident: {same}")
+    model = nn.init_model(cfg, seed=args.seed)
+    engines: list[Engine] = []
+    try:
+        for ec in configs:
+            try:
+                engine = build_engine(args, model, ec)
+            except (ValueError, CapacityError) as e:
+                p.error(refusal(e, "the engine refused this configuration"))
+            engines.append(engine)
+            run(args, engine)
+        print_summary(engines)
+        first = next(iter(engines[0].finished.values()))
+        print(f"request {first.request_id}: prompt[-8:] {list(first.prompt[-8:])} -> generated "
+              f"{first.generated[:16]}{' ...' if len(first.generated) > 16 else ''}")
+        if len(engines) == 2:
+            line, same = compare_tokens(engines[0].finished, engines[1].finished,
+                                        temperature=args.temperature, seed=args.seed)
+            print(line)
+            return 0 if same else 1
+        return 0
+    finally:
         for e in engines:
             e.close()
-        return 0 if same else 1
-    for e in engines:
-        e.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ _EXPORTS = {
     "HostPool": "host_tier.worker.host_pool",
     "memory_sharding": "host_tier.worker.host_pool",
     "TransferEngine": "host_tier.worker.transfer",
+    "TransferLostError": "host_tier.worker.transfer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,7 +15,8 @@ model step, in this order:
      (write-backs), enqueued after the forward without waiting for them.
 
 Then the worker reports each transfer id back (`TransferReport`): spills once enqueued and once
-completed, restores once enqueued. Every plan the coordinator builds must be executed, in order.
+completed, restores once enqueued; a copy that raised is reported failed instead. Every plan the
+coordinator builds must be executed, in order.
 """
 
 from __future__ import annotations
@@ -124,15 +125,18 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class TransferReport:
-    """What the worker reports back: transfer ids newly enqueued and newly completed.
+    """What the worker reports back: transfer ids newly enqueued, completed and failed.
 
     Each spill id appears once in `enqueued` and once in `completed` (possibly in different
-    reports, and completions may arrive before the enqueue notice); each restore id appears once
-    in `enqueued` only.
+    reports, and completions may arrive before the enqueue notice), or once in `failed` (its
+    copy raised; possibly after its enqueue notice, never after its completion); each restore
+    id appears once, in `enqueued` or in `failed`. A failed restore is reported no later than
+    the completion of any spill planned after it (the worker knows it before the forward).
     """
 
     enqueued: tuple[int, ...] = ()
     completed: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.enqueued or self.completed)
+        return bool(self.enqueued or self.completed or self.failed)

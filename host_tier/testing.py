@@ -8,7 +8,10 @@ are passed in by the caller: this module does not import the data plane.
 `SimulatedServer` drives a `Coordinator` and a `TransferEngine` the way a serving loop does, with
 a toy model whose KV row for position t is a known function of the token prefix `tokens[:t+1]`.
 After every step it checks that every row a request can read (resident, hot or host) holds
-exactly what was written for that token.
+exactly what was written for that token. It can inject copy faults (`spill_fault_rate`,
+`restore_fault_rate`: a copy call raises before it touches anything), which the transfer engine
+reports failed: the coordinator spills failed pages again, and requests whose restore failed are
+aborted at once, as an engine would.
 """
 
 from __future__ import annotations
@@ -98,6 +101,10 @@ def _pad(values: np.ndarray, fill: int | float) -> np.ndarray:
     return out
 
 
+class InjectedFault(RuntimeError):
+    """A copy fault `SimulatedServer` injects."""
+
+
 @dataclasses.dataclass
 class _SimRequest:
     tokens: list[int]
@@ -121,7 +128,8 @@ class SimulatedServer:
                  num_host_blocks: int = 40, hot_size: int = 8, top_k: int = 4,
                  max_num_reqs: int = 6, max_model_len: int = 48, num_layers: int = 2,
                  row_width: int = 4, mirror_fn: MirrorFn | None = None,
-                 restore_fn: RestoreFn | None = None, seed: int = 0) -> None:
+                 restore_fn: RestoreFn | None = None, seed: int = 0,
+                 spill_fault_rate: float = 0.0, restore_fault_rate: float = 0.0) -> None:
         if row_width < 4:
             raise ValueError("SimulatedServer.row_width must be >= 4")
         self.B = block_size
@@ -136,8 +144,13 @@ class SimulatedServer:
                                  max_num_reqs=max_num_reqs, max_model_len=max_model_len)
         self.pool = HostPool(num_layers=num_layers, block_size=block_size, row_width=row_width,
                              dtype=np.float32, num_blocks=num_host_blocks)
-        self.engine = TransferEngine(self.pool, mirror_fn=mirror_fn or mirror_rows_reference,
-                                     restore_fn=restore_fn or restore_rows_reference)
+        # Faults come from their own generator: without them the run is the same as before.
+        self.fault_rng = random.Random(seed ^ 0x5EED)
+        self.fault_rates = {"spill_faults": spill_fault_rate,
+                            "restore_faults": restore_fault_rate}
+        self.engine = TransferEngine(
+            self.pool, mirror_fn=self._faulty(mirror_fn or mirror_rows_reference, "spill_faults"),
+            restore_fn=self._faulty(restore_fn or restore_rows_reference, "restore_faults"))
         self.restore_fn = restore_fn or restore_rows_reference
         self.tables = DeviceBlockTables(max_num_reqs, self.coord.max_pages, hot_blocks)
         device = jax.devices()[0]
@@ -150,7 +163,8 @@ class SimulatedServer:
         self.backlog_completed: list[int] = []
         self.rng = random.Random(seed)
         self.counters = dict(steps=0, writes=0, hot_hits=0, hot_misses=0, waits=0,
-                             checked_rows=0, stall_preemptions=0)
+                             checked_rows=0, stall_preemptions=0, spill_faults=0,
+                             restore_faults=0, failed_transfers=0, aborted_on_failure=0)
         self._admitted_this_pass: set[Hashable] = set()
         self._pass_open = False  # decisions made that the worker has not received yet
         self.preempted: list[list[int]] = []  # token lists of preempted requests, to resume
@@ -158,6 +172,18 @@ class SimulatedServer:
         # block, and the spills whose completion was delivered to the coordinator.
         self.last_spill_into: dict[int, int] = {}
         self.delivered_completions: set[int] = set()
+
+    def _faulty(self, copy_fn, counter: str):
+        """`copy_fn`, raising `InjectedFault` (before touching anything) at the fault rate."""
+
+        def copy(*args):
+            rate = self.fault_rates[counter]
+            if rate and self.fault_rng.random() < rate:
+                self.counters[counter] += 1
+                raise InjectedFault(f"injected {counter[:-1]}")
+            return copy_fn(*args)
+
+        return copy
 
     # ------------------------------------------------------------------ ground truth
 
@@ -193,8 +219,8 @@ class SimulatedServer:
         return result
 
     def release(self, request_id: Hashable, how: str) -> list[int]:
-        """finish / cancel / preempt; returns the request's tokens. Preempted requests' tokens
-        are also kept in `preempted`, to be resumed (re-admitted) later."""
+        """finish / cancel / preempt / abort; returns the request's tokens. Preempted requests'
+        tokens are also kept in `preempted`, to be resumed (re-admitted) later."""
         getattr(self.coord, how)(request_id)
         self._admitted_this_pass.discard(request_id)
         tokens = self.requests.pop(request_id).tokens
@@ -234,7 +260,8 @@ class SimulatedServer:
                 self.counters["waits"] += 1
                 waited.append(rid)
         if (preempt_on_stall and waited and not scheduled
-                and not self.coord.has_pending_transfers() and not self.engine.num_in_flight):
+                and not self.coord.has_pending_transfers() and not self.engine.num_in_flight
+                and not self.coord.num_spill_retries):  # the plan below spills those
             self.release(waited[-1], "preempt")
             self.counters["stall_preemptions"] += 1
         self._admitted_this_pass.clear()
@@ -246,6 +273,7 @@ class SimulatedServer:
     def deliver(self, fraction: float = 1.0) -> None:
         """Hands a random subset of the worker's reports to the coordinator, shuffled."""
         report = self.engine.poll()
+        self._take_failures(report.failed)
         self.backlog_enqueued += report.enqueued
         self.backlog_completed += report.completed
         enq = [t for t in self.backlog_enqueued if self.rng.random() < fraction]
@@ -260,6 +288,7 @@ class SimulatedServer:
     def drain(self) -> None:
         """Waits for every copy and delivers every report."""
         report = self.engine.poll(wait=True)
+        self._take_failures(report.failed)
         self.backlog_enqueued += report.enqueued
         self.backlog_completed += report.completed
         self.coord.on_transfers(enqueued=self.backlog_enqueued, completed=self.backlog_completed)
@@ -291,8 +320,20 @@ class SimulatedServer:
         self.engine.after_forward(plan, self.kv)
         self._read_hot(tables)
         report = self.engine.poll()
+        self._take_failures(report.failed)
         self.backlog_enqueued += report.enqueued
         self.backlog_completed += report.completed
+
+    def _take_failures(self, failed: Sequence[int]) -> None:
+        """Failed transfers go to the coordinator at once (before any later completion, as the
+        transfer engine's reports order them); requests whose restore failed are aborted."""
+        if not failed:
+            return
+        self.counters["failed_transfers"] += len(failed)
+        self.coord.on_transfers(failed=failed)
+        for rid in self.coord.failed_requests():
+            self.release(rid, "abort")
+            self.counters["aborted_on_failure"] += 1
 
     def _forward(self, plan: StepPlan, tables: dict[str, np.ndarray]) -> None:
         rows, values = [], [[] for _ in range(self.num_layers)]

@@ -1,6 +1,8 @@
 """BlockPool: every operation, the null block, eviction order, reuse watchers, content hashes."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool, PoolExhaustedError
 
@@ -162,3 +164,123 @@ def test_numpy_integer_ids_are_accepted():
     assert pool.ref_count(a) == 1
     pool.free(np.array([a], np.int32))
     assert pool.free_queue().count(a) == 1 and all(type(x) is int for x in pool.free_queue())
+
+
+# ------------------------------------------------------------------ size and the lazy free queue
+
+
+def test_construction_is_constant_in_the_pool_size():
+    tracemalloc = pytest.importorskip("tracemalloc")
+    tracemalloc.start()
+    try:
+        pool = BlockPool(10**9, name="host pool")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # a list of 10**9 ids would be 8 GB
+    assert pool.num_free == pool.num_usable == 10**9 - 1
+    # No per-block structure: referenced blocks only, and nothing released yet.
+    assert pool._ref == {} and not pool._released and not pool._fresh_taken
+    assert pool.allocate(3) == [1, 2, 3]
+    pool.free([2])
+    pool.touch([10**9 - 1])  # a never-used block taken out of the middle of the range
+    assert pool.allocate(2) == [4, 5] and pool.num_free == 10**9 - 1 - 5
+    assert len(pool._ref) == 5 and pool.is_free(2) and not pool.is_free(10**9 - 1)
+    pool.check_invariants({1: 1, 3: 1, 4: 1, 5: 1, 10**9 - 1: 1})
+
+
+class _ListPool:
+    """The eviction order every `BlockPool` must give: a queue holding every free block, built
+    up front (the original implementation, reduced to the order, counts, watchers and hashes)."""
+
+    def __init__(self, num_blocks):
+        self.ref = [0] * num_blocks
+        self.queue = list(range(1, num_blocks))
+        self.watchers, self.hash_of, self.block_of = {}, {}, {}
+
+    def allocate(self, num):
+        out, fired = self.queue[:num], []
+        del self.queue[:num]
+        for b in out:
+            self.ref[b] = 1
+            h = self.hash_of.pop(b, None)
+            if h is not None:
+                del self.block_of[h]
+            fired += [(b, w) for w in self.watchers.pop(b, [])]
+        return out, fired
+
+    def release(self, b):
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.queue.append(b)
+
+    def unpin(self, b, watcher):
+        self.release(b)
+        if watcher not in self.watchers.setdefault(b, []):
+            self.watchers[b].append(watcher)
+
+    def touch(self, b):
+        if self.ref[b] == 0:
+            self.queue.remove(b)
+        self.ref[b] += 1
+
+    def cache(self, b, h):
+        if self.hash_of.get(b) is not None:
+            return True
+        if h in self.block_of:
+            return False
+        self.hash_of[b], self.block_of[h] = h, b
+        return True
+
+
+@settings(max_examples=max(150, settings.default.max_examples))
+@given(num_blocks=st.integers(2, 12), ops=st.lists(st.tuples(
+    st.sampled_from(["allocate", "free", "unpin", "touch", "cache"]), st.integers(0, 11),
+    st.integers(0, 3)), max_size=60))
+def test_the_lazy_free_queue_gives_the_order_of_a_full_queue(num_blocks, ops):
+    """Random allocate / free / unpin / touch / cache sequences (touching never-used, free and
+    held blocks alike): the same blocks are handed out in the same order, the free queue,
+    counts, hashes and fired watchers equal those of a queue of every block."""
+    pool, model = BlockPool(num_blocks), _ListPool(num_blocks)
+    fired = []
+
+    def watcher(tag):
+        def on_reuse(block):
+            fired.append((block, tag))
+        return on_reuse
+
+    watchers = [watcher(t) for t in range(2)]
+    for op, pick, num in ops:
+        held = [b for b in range(1, num_blocks) if model.ref[b] > 0]
+        if op == "allocate":
+            num = min(num, len(model.queue))
+            want, want_fired = model.allocate(num)
+            fired.clear()
+            assert pool.allocate(num) == want
+            assert fired == [(b, watchers.index(w)) for b, w in want_fired]
+        elif op in ("free", "unpin") and held:
+            block = held[pick % len(held)]
+            if op == "free":
+                pool.free([block])
+                model.release(block)
+            else:
+                pool.unpin([block], watchers[num % 2])
+                model.unpin(block, watchers[num % 2])
+        elif op == "touch":
+            block = 1 + pick % (num_blocks - 1)
+            pool.touch([block])
+            model.touch(block)
+        elif op == "cache" and held:
+            block = held[pick % len(held)]
+            if model.hash_of.get(block, num) != num:
+                with pytest.raises(ValueError, match="another hash"):
+                    pool.cache(block, num)
+            else:
+                assert pool.cache(block, num) == model.cache(block, num)
+        assert pool.free_queue() == model.queue
+        assert pool.num_free == len(model.queue)
+        assert [pool.ref_count(b) for b in range(num_blocks)] == model.ref
+        assert [pool.is_free(b) for b in range(1, num_blocks)] == [
+            model.ref[b] == 0 for b in range(1, num_blocks)]
+        assert pool.published_blocks() == model.hash_of
+        pool.check_invariants({b: r for b, r in enumerate(model.ref) if r})

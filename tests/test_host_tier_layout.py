@@ -21,8 +21,8 @@ PACKAGE = ROOT / "host_tier"
 EXPORTS = ["ACTIVE_TAIL_PAGES", "Admitted", "BlockPool", "BlockTables", "CapacityError",
            "Coordinator", "DeviceBlockTables", "HostPool", "HotInvalidation", "NULL_BLOCK",
            "PageRestore", "PageSpill", "PoolExhaustedError", "RequestView", "StepPlan",
-           "StepWrite", "TableRows", "TableUpdate", "TransferEngine", "TransferReport", "Wait",
-           "memory_sharding"]
+           "StepWrite", "TableRows", "TableUpdate", "TransferEngine", "TransferLostError",
+           "TransferReport", "Wait", "memory_sharding"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

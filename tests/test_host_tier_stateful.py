@@ -2,8 +2,10 @@
 
 Rules admit requests (prompts drawn from a few shared prefix families, so prefix hits, partial
 hits and adoptions happen), run steps (chunked prefill and decode, which seal pages and spill
-them), deliver worker reports late, partially and out of order, and finish, cancel or preempt
-requests in the middle of spills; small pools keep the device and host under pressure. After
+them), deliver worker reports late, partially and out of order, and finish, cancel, preempt or
+abort requests in the middle of spills; small pools keep the device and host under pressure, and
+half the runs inject copy faults (failed spills are spilled again, a request whose restore failed
+is aborted). After
 every rule: the coordinator invariants, plus checks that do not trust the coordinator: every row
 a request can read (resident, hot or host) holds what was written for that token, no host block
 is published or read from host before the worker's copy into it completed, the last 2 pages stay
@@ -47,10 +49,11 @@ CONFIGS = [
 class HostTierMachine(RuleBasedStateMachine):
     sim: SimulatedServer | None = None
 
-    @initialize(seed=st.integers(0, 2**32 - 1), config=st.sampled_from(CONFIGS))
-    def setup(self, seed, config):
+    @initialize(seed=st.integers(0, 2**32 - 1), config=st.sampled_from(CONFIGS),
+                faults=st.sampled_from([0.0, 0.15]))
+    def setup(self, seed, config, faults):
         self.sim = SimulatedServer(seed=seed, mirror_fn=mirror_rows, restore_fn=restore_rows,
-                                   **config)
+                                   spill_fault_rate=faults, restore_fault_rate=faults, **config)
         rng = random.Random(seed)
         self.max_len = config["max_model_len"]
         self.families = [[rng.randrange(5) for _ in range(self.max_len)] for _ in range(3)]
@@ -94,7 +97,7 @@ class HostTierMachine(RuleBasedStateMachine):
         self.sim.drain()
 
     @precondition(lambda self: self.sim is not None and self.sim.coord.request_ids)
-    @rule(data=st.data(), how=st.sampled_from(["finish", "cancel", "preempt"]))
+    @rule(data=st.data(), how=st.sampled_from(["finish", "cancel", "preempt", "abort"]))
     def release(self, data, how):
         rid = data.draw(st.sampled_from(sorted(self.sim.coord.request_ids)))
         self.sim.release(rid, how)

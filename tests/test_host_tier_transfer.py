@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from hisparse_jax.ops import mirror_rows, restore_rows
-from host_tier.plan import PageRestore, PageSpill, StepPlan, TableRows, TableUpdate
+from host_tier.plan import (
+    PageRestore,
+    PageSpill,
+    StepPlan,
+    TableRows,
+    TableUpdate,
+    TransferReport,
+)
 from host_tier.testing import mirror_rows_reference, restore_rows_reference
 from host_tier.worker.host_pool import HostPool
 from host_tier.worker.transfer import TransferEngine
@@ -119,3 +126,87 @@ def test_engine_errors_are_clear(pool):
     with pytest.raises(ValueError, match="mirror_fn must be callable"):
         TransferEngine(pool, mirror_fn=None)
     assert engine.before_forward(_plan(), _caches())  # nothing to restore: no restore_fn needed
+
+
+# ------------------------------------------------------------------ failed copies
+
+
+class _Faulty:
+    """A copy function that raises on the calls named in `fail_on` (0-based call index); with
+    `consume`, it deletes the array it was donated before raising (nothing recoverable)."""
+
+    def __init__(self, copy_fn, fail_on, *, consume=None):
+        self.copy_fn, self.fail_on, self.consume, self.calls = copy_fn, set(fail_on), consume, 0
+
+    def __call__(self, *args):
+        call, self.calls = self.calls, self.calls + 1
+        if call in self.fail_on:
+            if self.consume is not None:
+                args[self.consume].delete()
+            raise RuntimeError(f"copy fault on call {call}")
+        return self.copy_fn(*args)
+
+
+@pytest.mark.parametrize("failing_layer", [0, 1])
+def test_a_raising_mirror_is_reported_failed_and_leaves_the_pool_usable(pool, failing_layer):
+    mirror = _Faulty(mirror_rows_reference, fail_on=[failing_layer])
+    engine = TransferEngine(pool, mirror_fn=mirror)
+    kv = _caches()
+    want = [np.array(k) for k in kv]
+    before = pool.arrays
+    engine.after_forward(_plan(spills=[PageSpill(4, 1, 2), PageSpill(5, 3, 6)]), kv)  # no raise
+    report = engine.poll(wait=True)
+    assert report.failed == (4, 5) and report.enqueued == () and report.completed == ()
+    assert engine.num_in_flight == 0 and not engine.poll()
+    # The failing layer keeps its old pool array, intact; the layers before it were copied.
+    assert pool.layer(failing_layer) is before[failing_layer]
+    assert not any(a.is_deleted() for a in pool.arrays)
+    for layer in range(LAYERS):
+        host = pool.read_rows(layer, np.arange(8 * B)).reshape(8, B, W)
+        copied = layer < failing_layer
+        assert np.array_equal(host[2], want[layer][1]) == copied and host[2].any() == copied
+    # The engine goes on: the next spills run and complete on every layer.
+    engine.after_forward(_plan(spills=[PageSpill(6, 1, 2)]), kv)
+    report = engine.poll(wait=True)
+    assert report.enqueued == (6,) and report.completed == (6,) and report.failed == ()
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(pool.read_rows(layer, np.arange(2 * B, 3 * B)),
+                                      want[layer][1])
+
+
+def test_a_raising_restore_is_reported_failed_and_returns_usable_caches(pool):
+    restore = _Faulty(restore_rows_reference, fail_on=[1])
+    engine = TransferEngine(pool, mirror_fn=mirror_rows_reference, restore_fn=restore)
+    kv = _caches()
+    engine.after_forward(_plan(spills=[PageSpill(0, device_block=1, host_block=6)]), kv)
+    engine.poll(wait=True)
+    before = [np.array(k) for k in kv]
+    out = engine.before_forward(_plan(restores=[PageRestore(9, 6, 3, 3)]), kv)
+    assert engine.poll().failed == (9,)
+    assert out[1] is kv[1] and not kv[1].is_deleted()  # the caller's own cache, untouched
+    np.testing.assert_array_equal(np.array(out[1]), before[1])
+    np.testing.assert_array_equal(np.array(out[0])[3, :3], before[0][1, :3])  # layer 0 ran
+
+
+def test_a_copy_that_consumed_its_array_raises_a_clear_error(pool):
+    from host_tier.worker.transfer import TransferLostError
+
+    engine = TransferEngine(pool, mirror_fn=_Faulty(mirror_rows_reference, [0], consume=1))
+    with pytest.raises(TransferLostError, match="host pool array of layer 0; the pool's rows "
+                                                "are lost"):
+        engine.after_forward(_plan(spills=[PageSpill(0, 1, 1)]), _caches())
+    assert pool.layer(0).is_deleted()
+    with HostPool(num_layers=LAYERS, block_size=B, row_width=W, dtype=np.float32,
+                  num_blocks=8) as fresh:
+        engine = TransferEngine(fresh, mirror_fn=mirror_rows_reference,
+                                restore_fn=_Faulty(restore_rows_reference, [1], consume=1))
+        with pytest.raises(TransferLostError, match="KV cache of layer 1"):
+            engine.before_forward(_plan(restores=[PageRestore(0, 1, 1, 1)]), _caches())
+
+
+def test_spills_of_a_plan_whose_forward_did_not_run_are_reported_failed(pool):
+    engine = TransferEngine(pool, mirror_fn=mirror_rows_reference)
+    before = pool.arrays
+    engine.fail_spills(_plan(spills=[PageSpill(3, 1, 2), PageSpill(4, 2, 3)]))
+    assert engine.poll() == TransferReport(failed=(3, 4))
+    assert pool.arrays == before and not any(a.is_deleted() for a in before)

@@ -84,6 +84,9 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
     num_state_rows, hot = state.slot_rows.shape
     check_array("topk", topk, ndim=2, dtype=jnp.int32)
     n, k = topk.shape
+    if k < 1:
+        raise ValueError(f"topk must select at least one position per row, got shape "
+                         f"{tuple(topk.shape)}; the rule is 1 <= top_k <= hot_size (H={hot})")
     if k > hot:
         raise ValueError(f"topk has {k} columns but the hot region holds only H={hot} slots; "
                          "the rule is top_k <= hot_size")
@@ -112,6 +115,63 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
                              f"padding), got {int(live.max())}")
         if np.unique(live).size != live.size:
             raise ValueError("state_rows must not repeat a state row within one batch")
+
+
+def validate_resolve_values(state, topk, state_rows, hot_block_table, source_block_table,
+                            block_size, host_rows) -> None:
+    """The value rules of `resolve_residency` that cost a device -> host copy (its opt-in
+    `validate=True`), for the live batch rows (state_rows[n] >= 0) only; run after
+    `validate_resolve`. Needs concrete arrays.
+
+    * topk: the valid host rows of a row are unique (`docs/semantics.md`: a duplicate would
+      ask for two slots holding one row);
+    * state.lru: the row of each live state row is a permutation of 0 .. H-1;
+    * hot_block_table: the first ceil(H / B) block ids of a live row are > 0 (the blocks
+      its hot slots live in; 0 is the null block).
+    Raises ValueError naming the argument, the batch row and the rule.
+    """
+    named = (("state.slot_rows", state.slot_rows), ("state.lru", state.lru), ("topk", topk),
+             ("state_rows", state_rows), ("hot_block_table", hot_block_table),
+             ("source_block_table", source_block_table))
+    for name, x in named:
+        if not is_concrete(x):
+            raise ValueError(f"resolve_residency(validate=True) checks values and needs "
+                             f"concrete arrays, but {name} is traced; call it outside "
+                             f"jax.jit, or leave validate=False")
+    hot = state.lru.shape[1]
+    rows = np.asarray(state_rows)
+    positions = np.asarray(topk).astype(np.int64)
+    lru = np.asarray(state.lru)
+    hot_table = np.asarray(hot_block_table)[:, :cdiv(hot, block_size)]
+    src = np.asarray(source_block_table).astype(np.int64)
+    # Host row of every column (the flat-row rule of docs/semantics.md), -1 where none.
+    page = np.where(positions >= 0, positions // block_size, -1)
+    in_table = (page >= 0) & (page < src.shape[1])
+    block = np.take_along_axis(src, np.clip(page, 0, src.shape[1] - 1), axis=1)
+    host = np.where(in_table & (block > 0), block * block_size + positions % block_size, -1)
+    host = np.where(host < host_rows, host, -1)
+    want_lru = np.arange(hot)
+    for n in np.flatnonzero(rows >= 0):
+        s = int(rows[n])
+        g = host[n][host[n] >= 0]
+        values, counts = np.unique(g, return_counts=True)
+        if (counts > 1).any():
+            dup = int(values[counts > 1][0])
+            cols = np.flatnonzero(host[n] == dup).tolist()
+            raise ValueError(f"topk row {n}: columns {cols} all select host row {dup}; the "
+                             f"valid host rows of a row must be unique (validate=True)")
+        if not np.array_equal(np.sort(lru[s].astype(np.int64)), want_lru):
+            bad = sorted(set(want_lru.tolist()) - set(lru[s].tolist()))
+            raise ValueError(f"state.lru[{s}] (the state row of batch row {n}) must be a "
+                             f"permutation of 0..{hot - 1} (H={hot}); slot ids missing: "
+                             f"{bad[:8]} (validate=True)")
+        nulls = np.flatnonzero(hot_table[n] <= 0)
+        if nulls.size:
+            j = int(nulls[0])
+            raise ValueError(f"hot_block_table[{n}, {j}] = {int(hot_table[n, j])} for batch "
+                             f"row {n}: the first ceil(H/B)={hot_table.shape[1]} blocks of a "
+                             f"live row back its hot slots and must be > 0 (block 0 is the "
+                             f"null block) (validate=True)")
 
 
 def validate_invalidate(state, state_rows_per_token, written_rows) -> None:

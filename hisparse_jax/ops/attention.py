@@ -56,7 +56,11 @@ def sparse_mla_decode(
     Returns:
       out: [N, h_q, v_width] (or [N, s_q, h_q, v_width]) in q's dtype;
       lse: float32 [N, h_q] (or [N, s_q, h_q]), natural-log sum of exp of the scaled scores.
-      A row with no valid entry gives out = 0 and lse = -inf.
+      A row with no valid entry gives out = 0 and lse = -inf. Masked entries are never
+      read, on every backend: a NaN or Inf in a row that no entry of query row t selects
+      cannot reach row t's outputs. A NaN in q[.., h, :] (or in a selected row) gives NaN
+      out and NaN lse for that head wherever the row has a valid entry (lse = -inf only
+      ever means "no valid entry").
     """
     _checks.validate_attention(q, kv_cache, attention_rows, sm_scale, v_width)
     sm_scale = float(sm_scale)

@@ -62,13 +62,14 @@ def resolve_residency(
     block_size: int,
     host_rows: int,
     backend: str | None = None,
+    validate: bool = False,
 ) -> tuple[Resolution, HotState]:
     """Maps each selected position to a device row, updating the hot-region LRU.
 
     Args:
       state: the hot state (slot_rows int32[S, H], lru int16[S, H]).
-      topk: int32[N, K] selected logical positions per batch row (-1 = none), K <= H; valid
-        host rows must be unique within a row.
+      topk: int32[N, K] selected logical positions per batch row (-1 = none), 1 <= K <= H;
+        valid host rows must be unique within a row.
       state_rows: int32[N], hot-state row of each batch row; -1 marks a padding row; the live
         ones distinct and < S.
       hot_block_table: int32[N, >= ceil(H/B)], device blocks of each row's hot region.
@@ -77,11 +78,18 @@ def resolve_residency(
       block_size: B, static. host_rows: rows of the host pool (a Python int, passed as a
         traced scalar so a pool resize does not recompile); g >= host_rows is -1.
       backend: "reference", "triton" or None (see `hisparse_jax.ops._registry`).
+      validate: also check the value rules of the live rows (state_rows >= 0) before any
+        work: valid host rows unique within each row of topk, each state.lru row a
+        permutation of 0..H-1, the first ceil(H/B) hot_block_table ids > 0. Opt-in (it
+        copies the arrays to the host); needs concrete arrays (a ValueError under jit).
     Returns:
       (Resolution, new HotState); exact semantics in `docs/semantics.md`.
     """
     _checks.validate_resolve(state, topk, state_rows, hot_block_table, source_block_table,
                              resident_block_table, block_size, host_rows)
+    if validate:
+        _checks.validate_resolve_values(state, topk, state_rows, hot_block_table,
+                                        source_block_table, block_size, host_rows)
     backend = _registry.select(
         "resolve_residency", backend, state.slot_rows, state.lru, topk, state_rows,
         hot_block_table, source_block_table, resident_block_table, block_size=block_size,

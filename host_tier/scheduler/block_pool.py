@@ -3,6 +3,12 @@
 One pool manages the device blocks (resident pages and hot regions share it), another the host
 blocks of the pinned pool. Standard library only: the pool hands out ids; it never touches bytes.
 
+Construction costs O(1) whatever the size (a host pool may hold 10**9 blocks): the pool keeps no
+per-block structure up front. The free queue is the range of never-used blocks (`_next_fresh ..
+num_blocks - 1`, ascending, minus the few taken out of it by `touch`) followed by the released
+blocks in release order; reference counts are kept for referenced blocks only. That is exactly the
+queue a list of every block would give: nothing is ever put before a never-used block.
+
 Invariants (checked by `check_invariants`):
   - Block 0 is the null block: never handed out, never reference counted, never free.
   - Every other block is either free (reference count 0, in the free queue) or referenced
@@ -45,10 +51,14 @@ class BlockPool:
                 f"got {num_blocks!r}")
         self.name = name
         self.num_blocks = int(num_blocks)
-        self._ref = [0] * self.num_blocks
-        # Insertion order is eviction order: head = next block handed out.
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
-            (b, None) for b in range(1, self.num_blocks))
+        # Reference counts of referenced blocks only (a block not named has count 0).
+        self._ref: dict[int, int] = {}
+        # The free queue, head first: never-used blocks `_next_fresh .. num_blocks - 1`
+        # (ascending, minus `_fresh_taken`), then the released blocks in release order.
+        self._next_fresh = 1
+        self._fresh_taken: set[int] = set()  # never-used blocks `touch` took out of the range
+        self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._num_free = self.num_blocks - 1
         self._watchers: dict[int, list[OnReuse]] = {}
         self._hash_of_block: dict[int, Hashable] = {}
         self._block_of_hash: dict[Hashable, int] = {}
@@ -63,17 +73,21 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks `allocate` can hand out now (free and unpinned blocks alike)."""
-        return len(self._free)
+        return self._num_free
 
     def ref_count(self, block: int) -> int:
-        return self._ref[self._check_id(block, "block")]
+        return self._ref.get(self._check_id(block, "block"), 0)
 
     def is_free(self, block: int) -> bool:
-        return self._check_id(block, "block") in self._free
+        block = self._check_id(block, "block")
+        return block != NULL_BLOCK and block not in self._ref
 
     def free_queue(self) -> list[int]:
-        """The free blocks in eviction order (head first). A copy, for tests and debugging."""
-        return list(self._free)
+        """The free blocks in eviction order (head first). A copy, for tests and debugging:
+        O(num_free), so not for a pool of 10**9 never-used blocks."""
+        fresh = [b for b in range(self._next_fresh, self.num_blocks)
+                 if b not in self._fresh_taken]
+        return fresh + list(self._released)
 
     def has_watchers(self, block: int) -> bool:
         return bool(self._watchers.get(self._check_id(block, "block")))
@@ -93,19 +107,31 @@ class BlockPool:
         """
         if not is_int(num) or num < 0:
             raise ValueError(f"{self.name}: allocate(num) needs an int >= 0, got {num!r}")
-        if num > len(self._free):
+        if num > self._num_free:
             raise PoolExhaustedError(
-                f"{self.name}: cannot allocate {num} blocks, only {len(self._free)} are free")
+                f"{self.name}: cannot allocate {num} blocks, only {self._num_free} are free")
+        num = int(num)
         blocks = []
         fired: list[tuple[int, list[OnReuse]]] = []
-        for _ in range(int(num)):
-            block, _ = self._free.popitem(last=False)
-            self._ref[block] = 1
-            self._drop_hash(block)
+        ref, released = self._ref, self._released
+        for _ in range(num):
+            if self._next_fresh < self.num_blocks and (
+                    not self._fresh_taken or self._take_fresh_head()):
+                # A never-used block: no hash, no watcher.
+                block = self._next_fresh
+                self._next_fresh += 1
+                ref[block] = 1
+                blocks.append(block)
+                continue
+            block, _ = released.popitem(last=False)
+            ref[block] = 1
+            if self._hash_of_block:
+                self._drop_hash(block)
             watchers = self._watchers.pop(block, None)
             if watchers:
                 fired.append((block, watchers))
             blocks.append(block)
+        self._num_free -= num
         for block, watchers in fired:
             for on_reuse in watchers:
                 on_reuse(block)
@@ -150,9 +176,10 @@ class BlockPool:
             block = self._check_id(block, "touch(blocks)")
             if block == NULL_BLOCK:
                 continue
-            if self._ref[block] == 0:
-                del self._free[block]
-            self._ref[block] += 1
+            count = self._ref.get(block, 0)
+            if count == 0:
+                self._take_free(block)
+            self._ref[block] = count + 1
 
     # ------------------------------------------------------------------ content hashes
 
@@ -168,7 +195,7 @@ class BlockPool:
         block = self._check_id(block, "cache(block)")
         if block == NULL_BLOCK:
             raise ValueError(f"{self.name}: the null block cannot be published")
-        if self._ref[block] == 0:
+        if block not in self._ref:
             raise ValueError(f"{self.name}: block {block} is free; only held blocks are published")
         current = self._hash_of_block.get(block)
         if current is not None:
@@ -198,19 +225,41 @@ class BlockPool:
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:
         """Raises AssertionError when a module invariant is broken.
 
+        O(referenced + released blocks + len(expected_refs)): never-used blocks are checked as
+        one range.
+
         Args:
           expected_refs: optional block id -> number of holders the caller accounts for;
             every block not named must then be free. Catches leaks and double frees.
         """
-        assert NULL_BLOCK not in self._free, f"{self.name}: null block in the free queue"
-        assert self._ref[NULL_BLOCK] == 0, f"{self.name}: null block is reference counted"
-        for block in range(1, self.num_blocks):
-            ref = self._ref[block]
-            assert ref >= 0, f"{self.name}: block {block} has reference count {ref}"
-            assert (ref == 0) == (block in self._free), (
-                f"{self.name}: block {block} has reference count {ref} but "
-                f"{'is' if block in self._free else 'is not'} in the free queue")
-            if expected_refs is not None:
+        assert NULL_BLOCK not in self._ref, f"{self.name}: null block is reference counted"
+        assert NULL_BLOCK not in self._released, f"{self.name}: null block in the free queue"
+        assert 1 <= self._next_fresh <= self.num_blocks, (
+            f"{self.name}: never-used range starts at {self._next_fresh}")
+        for block in self._fresh_taken:
+            assert self._next_fresh <= block < self.num_blocks, (
+                f"{self.name}: taken never-used block {block} is outside the range")
+        num_fresh = self.num_blocks - self._next_fresh - len(self._fresh_taken)
+        assert self._num_free == num_fresh + len(self._released), (
+            f"{self.name}: free count {self._num_free} != {num_fresh} never-used + "
+            f"{len(self._released)} released")
+        assert self._num_free + len(self._ref) == self.num_blocks - 1, (
+            f"{self.name}: {self._num_free} free + {len(self._ref)} referenced blocks != "
+            f"{self.num_blocks - 1} usable (a block is both or neither)")
+        for block in self._released:
+            assert block not in self._ref, (
+                f"{self.name}: block {block} has reference count {self._ref[block]} but is in "
+                "the free queue")
+            assert block < self._next_fresh or block in self._fresh_taken, (
+                f"{self.name}: released block {block} is also never used")
+        for block, ref in self._ref.items():
+            assert ref > 0, f"{self.name}: block {block} has reference count {ref}"
+            assert block < self._next_fresh or block in self._fresh_taken, (
+                f"{self.name}: block {block} has reference count {ref} but is in the free "
+                "queue")
+        if expected_refs is not None:
+            for block in sorted(set(self._ref) | {b for b, n in expected_refs.items() if n}):
+                ref = self._ref.get(block, 0)
                 want = expected_refs.get(block, 0)
                 assert ref == want, (
                     f"{self.name}: block {block} has reference count {ref}, holders account "
@@ -227,12 +276,31 @@ class BlockPool:
         block = self._check_id(block, f"{verb}(blocks)")
         if block == NULL_BLOCK:
             return
-        if self._ref[block] == 0:
+        count = self._ref.get(block, 0)
+        if count == 0:
             raise ValueError(f"{self.name}: {verb} of block {block}, which is already free "
                              "(double free)")
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            self._free[block] = None
+        if count == 1:
+            del self._ref[block]
+            self._released[block] = None
+            self._num_free += 1
+        else:
+            self._ref[block] = count - 1
+
+    def _take_free(self, block: int) -> None:
+        """Takes the free block `block` out of the free queue (it becomes referenced)."""
+        if block in self._released:
+            del self._released[block]
+        else:  # never used: a hole in the never-used range
+            self._fresh_taken.add(block)
+        self._num_free -= 1
+
+    def _take_fresh_head(self) -> bool:
+        """Skips never-used blocks that `touch` took; True when a never-used block is left."""
+        while self._next_fresh in self._fresh_taken:
+            self._fresh_taken.discard(self._next_fresh)
+            self._next_fresh += 1
+        return self._next_fresh < self.num_blocks
 
     def _drop_hash(self, block: int) -> None:
         block_hash = self._hash_of_block.pop(block, None)

@@ -30,10 +30,14 @@ Usage, once per model step::
     plan = coord.build_plan()             # StepPlan for the TransferEngine / model step
     ...                                   # worker executes the plan
     coord.on_transfers(report)            # whenever the worker reports (late, any order)
-    coord.finish(rid) / coord.preempt(rid) / coord.cancel(rid)
+    coord.failed_requests()               # requests a failed restore broke: finish with error
+    coord.finish(rid) / coord.preempt(rid) / coord.cancel(rid) / coord.abort(rid)
 
 Capacity limits are states: admission and scheduling return `Wait` with a reason and allocate
-nothing; only a request that can never fit raises `CapacityError`.
+nothing; only a request that can never fit raises `CapacityError`. Every pool size the
+constructor accepts serves a lone request (whole prompt at admission, then one token per step)
+of `max_model_len` tokens to completion; `capacity_error` says whether one of a given prompt and
+length is served alone, and if not, why (the rule and its proof: `docs/semantics.md`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from host_tier.scheduler.records import (
     PassLog,
     RequestRecord,
     RequestView,
+    RestoreRecord,
     SpillRecord,
     Wait,
     check_tokens,
@@ -97,7 +102,14 @@ class Coordinator:
         `[max_num_reqs, hot_blocks]` hot).
       stats: counters for tests and metrics ("spills", "published_pages", "adopted_pages",
         "copy_on_write", "cached_tokens", "hot_grants", "unpinned_pages", "lost_pages",
-        "schedule_waits", "preemptions").
+        "schedule_waits", "preemptions", "aborts", "failed_spills", "failed_restores").
+
+    Raises:
+      ValueError: a size is not a positive int, or the device pool is smaller than a lone
+        request of `max_model_len` tokens needs:
+        `hot_blocks + 1 + max(ACTIVE_TAIL_PAGES, max_pages - num_host_blocks)` usable blocks
+        (a hot region, the pages it cannot unpin: its pinned tail, or sealed pages the host
+        pool has no block for, and one new page).
     """
 
     def __init__(self, *, block_size: int, num_gpu_blocks: int, num_host_blocks: int,
@@ -110,18 +122,23 @@ class Coordinator:
         block_size, num_gpu_blocks = sizes["block_size"], sizes["num_gpu_blocks"]
         num_host_blocks, hot_blocks = sizes["num_host_blocks"], sizes["hot_blocks"]
         max_num_reqs, max_model_len = sizes["max_num_reqs"], sizes["max_model_len"]
-        min_device = hot_blocks + ACTIVE_TAIL_PAGES + 1
+        if num_host_blocks < 2:
+            raise ValueError(f"Coordinator.num_host_blocks must be >= 2, got {num_host_blocks}")
+        max_pages = cdiv(max_model_len, block_size)
+        unspillable = max_pages - num_host_blocks  # sealed pages past the host pool, at most
+        min_device = hot_blocks + max(ACTIVE_TAIL_PAGES, unspillable) + 1
         if num_gpu_blocks - 1 < min_device:
+            pinned = (f"{ACTIVE_TAIL_PAGES} pinned tail pages" if unspillable <= ACTIVE_TAIL_PAGES
+                      else f"{unspillable} sealed pages the host pool's {num_host_blocks - 1} "
+                           "usable blocks cannot take")
             raise ValueError(
                 f"Coordinator.num_gpu_blocks={num_gpu_blocks} leaves {num_gpu_blocks - 1} usable "
                 f"blocks; one decoding request needs up to {min_device} (hot region of "
-                f"{hot_blocks} + {ACTIVE_TAIL_PAGES} pinned tail pages + 1 new page)")
-        if num_host_blocks < 2:
-            raise ValueError(f"Coordinator.num_host_blocks must be >= 2, got {num_host_blocks}")
+                f"{hot_blocks} + {pinned} + 1 new page) to reach max_model_len={max_model_len}")
         self.block_size = block_size
         self.hot_blocks = hot_blocks
         self.max_model_len = max_model_len
-        self.max_pages = cdiv(max_model_len, block_size)
+        self.max_pages = max_pages
 
         self.device_pool = BlockPool(num_gpu_blocks, name="device pool")
         self.host_pool = BlockPool(num_host_blocks, name="host pool")
@@ -133,6 +150,7 @@ class Coordinator:
         self._prefix = PrefixCache(self.host_pool, self.device_pool, block_size=block_size,
                                    enabled=enable_prefix_caching, stats=self.stats)
         self._residency = ResidencyPolicy(self.device_pool, hot_blocks=hot_blocks,
+                                          block_size=block_size,
                                           offload_all=offload_all, log=self._log,
                                           stats=self.stats,
                                           forget_copy=self._prefix.forget_block)
@@ -145,6 +163,8 @@ class Coordinator:
         self._free_rows = list(range(max_num_reqs))
         heapq.heapify(self._free_rows)
         self._detached: set[RequestRecord] = set()
+        self._failed: dict[Hashable, None] = {}  # running requests a failed restore broke
+        self._retry: dict[RequestRecord, None] = {}  # running requests with failed spills
         self._step = 0
         self._pass: list[RequestRecord] = []  # requests scheduled in the open pass, in order
 
@@ -211,6 +231,15 @@ class Coordinator:
     def has_pending_transfers(self) -> bool:
         return self._planner.has_pending()
 
+    @property
+    def num_spill_retries(self) -> int:
+        """Pages whose spill failed, to be spilled again by the next `build_plan` (whether or
+        not their request is scheduled). Until then they stay dirty and pinned: a caller with
+        nothing to schedule should still build and execute a plan while this is > 0 and no copy
+        is in flight."""
+        return sum(sum(1 for p in r.unbound if r.host_blocks[p] != NULL_BLOCK)
+                   for r in self._retry)
+
     def request_room(self, num_blocks: int) -> None:
         """Asks the running requests to make room for `num_blocks` more device blocks (e.g. a
         waiting admission: a long prompt needs its pages free at once). Until it is cancelled
@@ -226,6 +255,85 @@ class Coordinator:
 
     def view(self, request_id: Hashable) -> RequestView:
         return self._running(request_id, "view").view()
+
+    def failed_requests(self) -> tuple[Hashable, ...]:
+        """Running requests whose copy-on-write restore failed (`on_transfers(failed=...)`), in
+        report order; taken once: the call returns them and forgets them. Their rows are wrong,
+        so nothing of theirs is published; the caller ends each (`abort`) with an error."""
+        failed, self._failed = tuple(self._failed), {}
+        return failed
+
+    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
+        """Whether these pools serve a request to completion when it runs alone. Changes nothing.
+
+        The request is admitted with its whole prompt (`num_prompt_tokens`), then writes one
+        token per step until it holds `max_total_tokens` (prompt + new tokens; every one counts
+        as written: an engine that never writes its last sampled token needs one token less);
+        no prefix hit (a hit only lowers the need), no `request_room`. The answer is exact for
+        this coordinator's policy (`docs/semantics.md`, host tier: the lone-request rule): None
+        means such a request finishes without a stall whatever the order and delay of the
+        worker's reports (a step that must wait for blocks succeeds once every copy in flight
+        is reported); a reason means it never finishes (a stall, or `admit` raises
+        `CapacityError`).
+
+        Returns:
+          None, or the reason: the limit ("max_model_len", "host pool", "device pool") and the
+          sizes needed and available.
+
+        Raises:
+          ValueError: the counts are not ints with 1 <= num_prompt_tokens <= max_total_tokens.
+        """
+        P = check_int("Coordinator.capacity_error", "num_prompt_tokens", num_prompt_tokens)
+        T = check_int("Coordinator.capacity_error", "max_total_tokens", max_total_tokens)
+        if T < P:
+            raise ValueError(
+                f"Coordinator.capacity_error: max_total_tokens={T} is less than "
+                f"num_prompt_tokens={P} (it counts the prompt too)")
+        B, H = self.block_size, self.hot_blocks
+        usable, host_usable = self.device_pool.num_usable, self.host_pool.num_usable
+        if T > self.max_model_len:
+            return (f"max_model_len: the request holds up to {T} tokens ({P} in the prompt), "
+                    f"more than max_model_len={self.max_model_len}")
+        prompt_pages = cdiv(P, B)
+        if prompt_pages > host_usable:
+            return (f"host pool: the prompt needs {prompt_pages} host blocks, the host pool has "
+                    f"only {host_usable}")
+        if prompt_pages > usable:
+            return (f"device pool: the prompt needs {prompt_pages} device blocks at admission, "
+                    f"the device pool has only {usable}")
+        # Alone, the request asks for its hot region after the step that leaves it holding
+        # `ask` tokens (free blocks = usable - its pages; see ResidencyPolicy.update).
+        residency = self._residency
+        ask = max(P, residency.ask_at_tokens)
+        under_watermark = usable - residency.watermark + 1  # pages that leave free < watermark
+        ask = min(ask, max(P, (under_watermark - 1) * B + 1))
+        if residency.offload_all:
+            ask = P
+        if ask >= T:
+            return None  # it ends before it asks: never more than its own pages (rule above)
+        # The grant comes with the step that writes token `ask`: every page is still pinned.
+        pages = cdiv(ask, B)
+        opens = 1 if ask == pages * B else 0
+        need = pages + opens + H
+        if need > usable:
+            return (f"device pool: alone, the request asks for its hot region once it holds "
+                    f"{ask} tokens ({pages} pages, all pinned); the grant needs {need} device "
+                    f"blocks ({pages} pages + {opens} new + a hot region of {H}), the device "
+                    f"pool has only {usable}; shorten the prompt or raise num_gpu_blocks")
+        # From then on, each new page q needs the hot region, the pages it cannot unpin (its
+        # last ACTIVE_TAIL_PAGES, and sealed pages past the host pool, which stay dirty) and
+        # itself; the need grows with q, so the last page decides.
+        last = cdiv(T, B) - 1
+        if last >= pages + opens:
+            pinned = max(min(last, ACTIVE_TAIL_PAGES), last - host_usable)
+            need = H + pinned + 1
+            if need > usable:
+                return (f"device pool: alone, the request needs {need} device blocks when it "
+                        f"opens page {last} (a hot region of {H} + {pinned} pages it cannot "
+                        f"unpin: its last {ACTIVE_TAIL_PAGES}, or sealed pages past the host "
+                        f"pool's {host_usable} blocks + 1 new page), the device pool has only "
+                        f"{usable}; raise num_gpu_blocks or num_host_blocks")
+        return None
 
     # ------------------------------------------------------------------ admission
 
@@ -406,7 +514,9 @@ class Coordinator:
         For each scheduled request (in scheduling order): its tokens count as computed (the
         plan's forward writes them), sealed pages without a host copy are spilled within the
         budget, and the residency policy runs (ask for a hot region below the watermark, unpin
-        clean pages once it has one).
+        clean pages once it has one). Then pages whose spill failed are spilled again, those of
+        requests not scheduled in this pass included: a plan with nothing scheduled (no
+        forward) still carries them (`num_spill_retries`).
         """
         writes = []
         for r in self._pass:
@@ -418,6 +528,11 @@ class Coordinator:
         for r in self._pass:
             budget -= plan_spills(r, budget)
             update_residency(r)
+        if self._retry:
+            for r in list(self._retry):
+                budget -= plan_spills(r, budget)
+                if not any(r.host_blocks[p] != NULL_BLOCK for p in r.unbound):
+                    del self._retry[r]
         log, tables = self._log, self.tables
         for r in log.touched:
             tables.set_row("src", r.state_row, r.host_blocks)
@@ -442,25 +557,47 @@ class Coordinator:
     # ------------------------------------------------------------------ worker reports
 
     def on_transfers(self, report: TransferReport | None = None, *,
-                     enqueued: Iterable[int] = (), completed: Iterable[int] = ()) -> None:
-        """Applies worker reports: transfers enqueued and completed, in any order and any delay.
+                     enqueued: Iterable[int] = (), completed: Iterable[int] = (),
+                     failed: Iterable[int] = ()) -> None:
+        """Applies worker reports: transfers enqueued, completed and failed, in any order and
+        any delay (`report` and the keyword lists are merged).
 
         An enqueued spill releases its resident block; a completed spill makes its page clean
         (unpinned at once if the request can read from host), releases its host block and may
         publish the request's durable prefix. A completion reported before its enqueue notice
-        counts as both. Ids are checked before anything changes.
+        counts as both. A failed spill releases its blocks like a completed one, but its page
+        stays dirty (never clean, never published) and is spilled again by the next
+        `build_plan` (dropped if the request left). A failed restore releases its shared host
+        block
+        and marks its request failed: nothing of it is published from then on, and a running
+        one is listed by `failed_requests`. Failed restores are applied first, so a spill
+        completed in the same report publishes nothing of their requests. A plan whose copies
+        cannot run at all (its forward raised) is reported by failing its transfer ids
+        (`TransferEngine.fail_spills`). Ids are checked before anything changes.
 
         Raises:
-          ValueError: an unknown id, an id reported twice, or a restore reported completed.
+          ValueError: an unknown id, an id reported twice, a restore reported completed, or a
+            failed id that is not a pending transfer.
         """
         enqueued_ids = list(report.enqueued if report else ()) + list(enqueued)
         completed_ids = list(report.completed if report else ()) + list(completed)
+        failed_ids = list(report.failed if report else ()) + list(failed)
         planner = self._planner
-        planner.check_report(enqueued_ids, completed_ids)
+        planner.check_report(enqueued_ids, completed_ids, failed_ids)
+        failed_spills = []
+        for tid in failed_ids:
+            if planner.is_restore(tid):
+                planner.fail(tid, restore_failed=self._restore_failed,
+                             spill_failed=self._page_failed)
+            else:
+                failed_spills.append(tid)
         for tid in enqueued_ids:
             planner.enqueued(tid)
         for tid in completed_ids:
             planner.complete(tid, self._page_clean)
+        for tid in failed_spills:
+            planner.fail(tid, restore_failed=self._restore_failed,
+                         spill_failed=self._page_failed)
 
     def _page_clean(self, spill: SpillRecord) -> None:
         """A spill completed: its page is clean (and may be unpinned), and the durable prefix of
@@ -473,7 +610,35 @@ class Coordinator:
             assert r.res_blocks[page] == spill.device_block, "a dirty page lost its block"
             self._residency.page_clean(r, page)
             self._prefix.advance_and_publish(r, record_copies=True)
-        elif r.detached_pages >= 0 and not r.pending:
+        else:
+            self._settle_detached(r)
+
+    def _page_failed(self, spill: SpillRecord) -> None:
+        """A spill failed: its page is dirty again. A running request spills it again on a later
+        pass (same host block); a request that left drops it (a finished one publishes the
+        prefix before it once its other copies are done)."""
+        r, page = spill.request, spill.page
+        del r.pending[page]
+        self.stats["failed_spills"] += 1
+        if self._requests.get(r.request_id) is r:
+            assert r.res_blocks[page] == spill.device_block, "a dirty page lost its block"
+            r.unbound.add(page)  # it keeps its host block
+            self._retry[r] = None
+        else:
+            self._settle_detached(r)
+
+    def _restore_failed(self, restore: RestoreRecord) -> None:
+        """A copy-on-write restore failed: the request's page lacks the shared rows."""
+        r = restore.request
+        r.failed = True
+        self.stats["failed_restores"] += 1
+        if self._requests.get(r.request_id) is r:
+            self._failed[r.request_id] = None
+
+    def _settle_detached(self, r: RequestRecord) -> None:
+        """A finished request's copy ended: after its last one, its durable prefix is published
+        and its host blocks are released."""
+        if r.detached_pages >= 0 and not r.pending:
             self._prefix.advance_and_publish(r, record_copies=False)
             self.host_pool.free(reversed(r.host_blocks[:r.detached_pages]))
             r.detached_pages = -1
@@ -498,6 +663,14 @@ class Coordinator:
         self._release(self._running(request_id, "preempt"), keep_prefix=False)
         self.stats["preemptions"] += 1
 
+    def abort(self, request_id: Hashable) -> None:
+        """The request failed (its admission, prefill or a restore): released like `preempt`
+        (pending publications dropped; copies in flight still run, report and release their
+        blocks) and counted in `stats["aborts"]`. Works in the pass of its admission (its step
+        and restore never run) and after the plan went to the worker."""
+        self._release(self._running(request_id, "abort"), keep_prefix=False)
+        self.stats["aborts"] += 1
+
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
@@ -507,7 +680,8 @@ class Coordinator:
                           free_rows=self._free_rows, hot_blocks=self.hot_blocks,
                           device_pool=self.device_pool, host_pool=self.host_pool,
                           planner=self._planner, residency=self._residency,
-                          prefix_cache=self._prefix)
+                          prefix_cache=self._prefix, failed=self._failed,
+                          retry=self._retry)
 
     # ------------------------------------------------------------------ internals
 
@@ -523,6 +697,9 @@ class Coordinator:
             r.scheduled = 0
             self._planner.drop_pass_restores(r)
         del self._requests[r.request_id]
+        self._failed.pop(r.request_id, None)
+        self._retry.pop(r, None)
+        keep_prefix = keep_prefix and not r.failed
         self._log.forget(r)
         if keep_prefix and not r.pending:
             self._prefix.advance_and_publish(r, record_copies=True)

@@ -11,6 +11,10 @@
     owns a hot region;
   - a page being written (dirty) and a hot region are never shared with another reader, an
     unpinned block or an indexed device copy;
+  - a page waiting to be spilled again (`unbound`: no host block was free, or its spill failed)
+    is sealed, dirty, not pending and still resident;
+  - requests listed as failed are running and marked failed; requests waiting to spill a failed
+    page again are running;
   - the prefix cache's device-copy index is consistent; state rows are used at most once.
 """
 
@@ -30,7 +34,8 @@ def check_coordinator(*, requests: Mapping[object, RequestRecord],
                       detached: Iterable[RequestRecord], free_rows: Iterable[int],
                       hot_blocks: int, device_pool: BlockPool, host_pool: BlockPool,
                       planner: SpillPlanner, residency: ResidencyPolicy,
-                      prefix_cache: PrefixCache) -> None:
+                      prefix_cache: PrefixCache, failed: Iterable[object] = (),
+                      retry: Iterable[RequestRecord] = ()) -> None:
     """Raises AssertionError when a residency invariant is broken (see module docstring).
 
     Args:
@@ -38,7 +43,16 @@ def check_coordinator(*, requests: Mapping[object, RequestRecord],
       detached: finished requests whose publications wait for copies in flight.
       free_rows: state rows not in use.
       hot_blocks: device blocks of one hot region.
+      failed: ids of running requests a failed restore broke, not yet taken.
+      retry: requests with pages whose spill failed, to be spilled again.
     """
+    for r in retry:
+        assert requests.get(r.request_id) is r, (
+            f"request {r.request_id!r} waits to spill a failed page again but is not running")
+    for request_id in failed:
+        r = requests.get(request_id)
+        assert r is not None and r.failed, (
+            f"request {request_id!r} is listed as failed but is not a running failed request")
     device_refs: collections.Counter[int] = collections.Counter()
     host_refs: collections.Counter[int] = collections.Counter()
     exclusive: dict[int, str] = {}  # device blocks that must have exactly one user
@@ -132,6 +146,11 @@ def _check_request(r: RequestRecord, *, hot_blocks: int, planner: SpillPlanner,
         spill = planner.spills.get(tid)
         assert spill is not None and spill.request is r and spill.page == p, (
             f"{name}: pending page {p} has no matching spill")
+    sealed = r.num_computed // planner.block_size
+    for p in r.unbound:
+        assert p < sealed and p not in r.valid and p not in r.pending, (
+            f"{name}: page {p} waits to be spilled but is not a sealed dirty page")
+        assert r.res_blocks[p] != NULL_BLOCK, f"{name}: dirty page {p} has no resident block"
     for block in r.host_blocks:
         if block != NULL_BLOCK:
             host_refs[block] += 1

@@ -130,11 +130,12 @@ class PrefixCache:
 
     def advance_and_publish(self, r: RequestRecord, *, record_copies: bool) -> None:
         """Extends `r.ready_prefix` over its leading valid pages and publishes the full pages of
-        that prefix (the first published copy of a hash wins). With `record_copies`, each
+        that prefix (the first published copy of a hash wins), unless `r` failed (a failed
+        restore left rows of it wrong: it publishes nothing). With `record_copies`, each
         published page's resident block is indexed as a device copy."""
         while r.ready_prefix in r.valid:
             r.ready_prefix += 1
-        if not self.enabled:
+        if not self.enabled or r.failed:
             return
         limit = min(r.ready_prefix, r.num_computed // self.block_size)
         for p in range(r.num_published, limit):

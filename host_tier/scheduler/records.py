@@ -101,11 +101,13 @@ class RequestRecord:
     ready_prefix: int = 0  # leading pages that are all valid
     num_published: int = 0  # leading pages published for prefix reuse
     spill_cursor: int = 0  # pages below it are valid, pending or in `unbound`
-    unbound: set[int] = dataclasses.field(default_factory=set)  # sealed, host pool was full
+    # Sealed dirty pages to spill on a later pass: the host pool was full, or the spill failed.
+    unbound: set[int] = dataclasses.field(default_factory=set)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     scheduled: int = 0  # tokens scheduled in the current pass
     detached_pages: int = -1  # >= 0 once finished with publications still pending
     num_nonresident: int = 0  # NULL entries of res_blocks (pages read from host)
+    failed: bool = False  # a restore into its pages failed: nothing of it is ever published
 
     def view(self) -> RequestView:
         return RequestView(

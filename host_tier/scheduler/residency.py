@@ -6,7 +6,10 @@ The residency semantics are written down in `docs/semantics.md`. In short:
     While the device pool has at least `watermark + room` free blocks
     (`watermark = max(hot_blocks, num_gpu_blocks // 10)`, `room` set by `request_room`),
     requests keep their pages pinned; below it they ask for a hot region (`hot_required`),
-    granted when the request is next scheduled (`grant_hot_region`);
+    granted when the request is next scheduled (`grant_hot_region`). A request also asks once
+    it holds `ask_at_tokens = (usable blocks - hot_blocks) * B - 1` tokens: the last moment at
+    which, alone in the pool, its pages, the pages of its next two one-token steps and a hot
+    region still fit (the lone-request rule of `docs/semantics.md`);
   - a request that can read from host unpins every clean page except its last
     `ACTIVE_TAIL_PAGES`: the block counts as free in the device pool yet is still read
     (`readers`) until the pool hands it to someone else; then the owner's `res` entry becomes
@@ -38,6 +41,7 @@ class ResidencyPolicy:
     Args:
       device_pool: resident pages and hot regions.
       hot_blocks: device blocks of one hot region.
+      block_size: B, tokens per page.
       offload_all: the naive-offload baseline (see module docstring).
       log: the open pass's changes (requests whose rows change, hot resets).
       stats: counters shared with the coordinator ("hot_grants", "unpinned_pages",
@@ -45,13 +49,16 @@ class ResidencyPolicy:
       forget_copy: called with a device block when the pool hands it out again.
     """
 
-    def __init__(self, device_pool: BlockPool, *, hot_blocks: int, offload_all: bool,
-                 log: PassLog, stats: collections.Counter[str],
+    def __init__(self, device_pool: BlockPool, *, hot_blocks: int, block_size: int,
+                 offload_all: bool, log: PassLog, stats: collections.Counter[str],
                  forget_copy: Callable[[int], None]) -> None:
         self.device_pool = device_pool
         self.hot_blocks = hot_blocks
         self.offload_all = bool(offload_all)
         self.watermark = max(hot_blocks, device_pool.num_blocks // 10)
+        # A request holding this many computed tokens asks for a hot region whatever the free
+        # count: cdiv(tokens + 2, B) + hot_blocks would exceed the usable blocks.
+        self.ask_at_tokens = (device_pool.num_usable - hot_blocks) * block_size - 1
         self.room = 0  # device blocks a waiting admission asked for (`request_room`)
         self.log = log
         self.stats = stats
@@ -71,11 +78,12 @@ class ResidencyPolicy:
         self.room = int(num_blocks)
 
     def update(self, r: RequestRecord) -> None:
-        """After `r`'s step: ask for a hot region under pressure, or unpin its clean pages
-        outside the tail once it has one (tail first: heads survive longer)."""
+        """After `r`'s step: ask for a hot region under pressure or once it holds
+        `ask_at_tokens` tokens, or unpin its clean pages outside the tail once it has one (tail
+        first: heads survive longer)."""
         if not r.hot:
-            free = self.device_pool.num_free
-            if free >= self.watermark + self.room and not self.offload_all:
+            if (self.device_pool.num_free >= self.watermark + self.room
+                    and r.num_computed < self.ask_at_tokens and not self.offload_all):
                 return
             r.hot_required = True  # granted when the request is next scheduled
             return

@@ -3,15 +3,19 @@
 Every sealed page is written back to host eagerly (a *spill*), at most `max_spill_pages`
 (= `max(1, max_model_len // B)`) spills planned and not yet enqueued by the worker at a time.
 A page past the prompt gets its host block when it seals (`plan_spills` binds it); while the
-host pool is full it stays pinned and is retried on a later pass (`unbound`). A partial prefix
-hit restores the shared page's rows into the request's private resident page (`plan_restore`).
+host pool is full it stays pinned and is retried on a later pass (`unbound`), and so is a page
+whose spill failed (`fail`: it stays dirty, keeps its host block, and is never marked clean). A
+partial prefix hit restores the shared page's rows into the request's private resident page
+(`plan_restore`).
 
 Transfers are transactions, each with an id from one counter (plan order):
 
   - a spill holds its device block until the worker reports it enqueued (`enqueued`), its host
     block until it reports it completed (`complete`); a completion that arrives before its
     enqueue notice counts as both, and the late notice is then only acknowledged;
-  - a restore holds its shared host block until the worker reports it enqueued.
+  - a restore holds its shared host block until the worker reports it enqueued;
+  - a transfer reported failed (`fail`) releases what it holds like an enqueued and completed
+    one, but its page is not clean (a spill) or its request is marked failed (a restore).
 
 Invariants (checked in `host_tier/scheduler/invariants.py`): `num_unenqueued` counts the spills
 not enqueued; each pending page of a request names its spill; a spill never targets a published
@@ -143,13 +147,26 @@ class SpillPlanner:
 
     # ------------------------------------------------------------------ worker reports
 
-    def check_report(self, enqueued: Sequence[int], completed: Sequence[int]) -> None:
+    def check_report(self, enqueued: Sequence[int], completed: Sequence[int],
+                     failed: Sequence[int] = ()) -> None:
         """Raises ValueError, before anything changes, for an id reported twice in one list, an
-        enqueued id that is unknown or already enqueued, or a completed id that is not a
-        pending spill."""
-        for ids, what in ((enqueued, "enqueued"), (completed, "completed")):
+        enqueued id that is unknown or already enqueued, a completed id that is not a pending
+        spill, or a failed id that is neither a pending spill nor a restore not yet enqueued
+        (nor completed or enqueued as a restore in the same report)."""
+        for ids, what in ((enqueued, "enqueued"), (completed, "completed"), (failed, "failed")):
             if len(set(ids)) != len(ids):
                 raise ValueError(f"on_transfers: {what} names a transfer id twice: {ids}")
+        if failed:
+            both = set(failed) & (set(completed) | (set(enqueued) & set(self.restores)))
+            if both:
+                raise ValueError(
+                    f"on_transfers: transfer ids {sorted(both)} are reported failed and also "
+                    "completed (a spill) or enqueued (a restore)")
+            for tid in failed:
+                if tid not in self.spills and tid not in self.restores:
+                    raise ValueError(
+                        f"on_transfers: failed transfer id {tid} is not a pending spill or "
+                        "restore (unknown, or already completed or enqueued)")
         for tid in enqueued:
             spill = self.spills.get(tid)
             if not (tid in self.restores or tid in self.awaiting_enqueue_notice
@@ -180,6 +197,25 @@ class SpillPlanner:
             self._spill_enqueued(spill)
             self.awaiting_enqueue_notice.add(tid)
         page_clean(spill)
+        self.host_pool.free([spill.host_block])
+
+    def is_restore(self, tid: int) -> bool:
+        return tid in self.restores
+
+    def fail(self, tid: int, *, restore_failed: Callable[[RestoreRecord], None],
+             spill_failed: Callable[[SpillRecord], None]) -> None:
+        """The worker reports transfer `tid` failed (checked): a restore releases its shared
+        host block after `restore_failed(restore)`; a spill releases its device block (if not
+        enqueued yet) and its host block after `spill_failed(spill)` re-marked the page."""
+        restore = self.restores.pop(tid, None)
+        if restore is not None:
+            restore_failed(restore)
+            self.host_pool.free([restore.host_block])
+            return
+        spill = self.spills.pop(tid)
+        if not spill.enqueued:
+            self._spill_enqueued(spill)
+        spill_failed(spill)
         self.host_pool.free([spill.host_block])
 
     def _spill_enqueued(self, spill: SpillRecord) -> None:

@@ -4,14 +4,15 @@
     `memory_sharding`;
   - `device_tables`: `DeviceBlockTables`, the int32 device copies of the block tables;
   - `transfer`: `TransferEngine`, the plan's restores and spills through the copy functions it
-    is given.
+    is given (a copy that raises is reported failed; `TransferLostError` when it consumed an
+    array).
 
 Imports jax, numpy, `host_tier` and `pallas_kernels._compat` only (no kernel, no data plane).
 """
 
 from host_tier.worker.device_tables import DeviceBlockTables
 from host_tier.worker.host_pool import HostPool, memory_sharding
-from host_tier.worker.transfer import MirrorFn, RestoreFn, TransferEngine
+from host_tier.worker.transfer import MirrorFn, RestoreFn, TransferEngine, TransferLostError
 
 __all__ = [
     "DeviceBlockTables",
@@ -19,5 +20,6 @@ __all__ = [
     "MirrorFn",
     "RestoreFn",
     "TransferEngine",
+    "TransferLostError",
     "memory_sharding",
 ]

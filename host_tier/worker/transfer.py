@@ -15,6 +15,12 @@ turns plan entries into row lists and calls the data-plane copy functions it was
 The caller passes these functions in: this module never imports the data plane. For CPU tests,
 `host_tier/testing.py` has jnp references of both.
 
+A copy function that raises does not raise out of `before_forward` / `after_forward`: the plan's
+transfer ids of that call are reported failed by the next `poll` (`TransferReport.failed`), and
+the caches and pool arrays the call did not replace stay the caller's, usable as they were. Only
+when the failing call had already consumed (donated and deleted) one of them is nothing
+recoverable: then a `TransferLostError` names the array.
+
 Nothing here blocks the decode step: copies are dispatched asynchronously and their completion is
 observed later (`poll`). Spills into one layer's pool form a chain (each donates the previous
 pool array), so once a pool array is ready every spill dispatched before it has completed; the
@@ -32,7 +38,7 @@ from host_tier.plan import StepPlan, TransferReport
 from host_tier.sizes import pow2_bucket
 from host_tier.worker.host_pool import HostPool
 
-__all__ = ["MirrorFn", "RestoreFn", "TransferEngine"]
+__all__ = ["MirrorFn", "RestoreFn", "TransferEngine", "TransferLostError"]
 
 MirrorFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 RestoreFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -50,6 +56,11 @@ def _page_rows(blocks: Sequence[int], num_rows: Sequence[int], block_size: int) 
         out[:total] = np.concatenate([b * block_size + np.arange(n, dtype=np.int64)
                                       for b, n in zip(blocks, num_rows, strict=True)])
     return out
+
+
+class TransferLostError(RuntimeError):
+    """A copy function raised after consuming a pool array or KV cache it was donated: its
+    contents are gone, so the host tier cannot go on (restart the engine)."""
 
 
 class TransferEngine:
@@ -75,6 +86,7 @@ class TransferEngine:
         self._index_sharding = jax.sharding.SingleDeviceSharding(device)
         self._enqueued: list[int] = []
         self._completed: list[int] = []
+        self._failed: list[int] = []
         self._in_flight: list[int] = []  # dispatched spills whose completion is not observed
 
     @property
@@ -84,10 +96,14 @@ class TransferEngine:
     def before_forward(self, plan: StepPlan, kv_caches: Sequence[jax.Array]) -> list[jax.Array]:
         """Dispatches the plan's restores into every layer's cache; returns the new caches.
 
-        The caches passed in are donated when there is something to restore.
+        The caches passed in are donated when there is something to restore. When `restore_fn`
+        raises (on any layer), the plan's restores are reported failed by the next `poll` and
+        the caches are returned as they are: the new ones of the layers already restored, the
+        caller's own for the others.
 
         Raises:
           ValueError: wrong number of layers, or restores without a `restore_fn`.
+          TransferLostError: `restore_fn` raised after deleting the cache it was given.
         """
         kv_caches = self._check_layers(kv_caches)
         if not plan.restores:
@@ -96,35 +112,73 @@ class TransferEngine:
             raise ValueError(
                 "TransferEngine: the plan restores pages (partial prefix hits) but the engine "
                 "was built without restore_fn")
-        hosts = [r.host_block for r in plan.restores]
-        devices = [r.device_block for r in plan.restores]
-        counts = [r.num_rows for r in plan.restores]
-        host_rows = self._put(_page_rows(hosts, counts, self.block_size))
-        device_rows = self._put(_page_rows(devices, counts, self.block_size))
-        out = [self.restore_fn(self.host_pool.layer(i), kv, host_rows, device_rows)
-               for i, kv in enumerate(kv_caches)]
-        self._enqueued.extend(r.transfer_id for r in plan.restores)
+        ids = [r.transfer_id for r in plan.restores]
+        out = list(kv_caches)
+        layer = None
+        try:
+            hosts = [r.host_block for r in plan.restores]
+            devices = [r.device_block for r in plan.restores]
+            counts = [r.num_rows for r in plan.restores]
+            host_rows = self._put(_page_rows(hosts, counts, self.block_size))
+            device_rows = self._put(_page_rows(devices, counts, self.block_size))
+            for layer, kv in enumerate(kv_caches):
+                out[layer] = self.restore_fn(self.host_pool.layer(layer), kv, host_rows,
+                                             device_rows)
+        except Exception as error:
+            if layer is not None and _deleted(kv_caches[layer]):
+                raise TransferLostError(
+                    f"TransferEngine: restore_fn raised ({error!r}) after consuming the KV "
+                    f"cache of layer {layer}; its rows are lost") from error
+            self._failed.extend(ids)
+            return out
+        self._enqueued.extend(ids)
         return out
 
     def after_forward(self, plan: StepPlan, kv_caches: Sequence[jax.Array]) -> None:
-        """Enqueues the plan's spills from the post-forward caches into every layer's pool."""
+        """Enqueues the plan's spills from the post-forward caches into every layer's pool.
+
+        When `mirror_fn` raises (or returns an array the pool refuses), the plan's spills are
+        reported failed by the next `poll`; the layers already copied keep their new pool
+        arrays (the failed pages' host rows there are written but never read: the pages are not
+        clean), the others their old ones.
+
+        Raises:
+          ValueError: wrong number of layers.
+          TransferLostError: `mirror_fn` raised after deleting the pool array it was given.
+        """
         kv_caches = self._check_layers(kv_caches)
         if not plan.spills:
             return
         self._observe_completions()  # before the dispatch below donates the pool arrays
-        B = self.block_size
-        counts = [B] * len(plan.spills)
-        device_rows = self._put(_page_rows([s.device_block for s in plan.spills], counts, B))
-        host_rows = self._put(_page_rows([s.host_block for s in plan.spills], counts, B))
-        for i, kv in enumerate(kv_caches):
-            pool = self.mirror_fn(kv, self.host_pool.layer(i), device_rows, host_rows)
-            self.host_pool.replace_layer(i, pool)
         ids = [s.transfer_id for s in plan.spills]
+        layer = None
+        try:
+            B = self.block_size
+            counts = [B] * len(plan.spills)
+            device_rows = self._put(_page_rows([s.device_block for s in plan.spills], counts, B))
+            host_rows = self._put(_page_rows([s.host_block for s in plan.spills], counts, B))
+            for layer, kv in enumerate(kv_caches):
+                pool = self.mirror_fn(kv, self.host_pool.layer(layer), device_rows, host_rows)
+                self.host_pool.replace_layer(layer, pool)
+        except Exception as error:
+            if layer is not None and _deleted(self.host_pool.layer(layer)):
+                raise TransferLostError(
+                    f"TransferEngine: mirror_fn raised ({error!r}) after consuming the host "
+                    f"pool array of layer {layer}; the pool's rows are lost") from error
+            self._failed.extend(ids)
+            return
         self._enqueued.extend(ids)
         self._in_flight.extend(ids)
 
+    def fail_spills(self, plan: StepPlan) -> None:
+        """The plan's forward did not run (it raised before `after_forward`): its spills are
+        reported failed by the next `poll` instead of running. The coordinator then releases
+        their blocks and spills the pages again by a later plan (a request that left drops
+        them). The plan's restores were reported by `before_forward` already."""
+        self._failed.extend(s.transfer_id for s in plan.spills)
+
     def poll(self, *, wait: bool = False) -> TransferReport:
-        """Transfers enqueued and completed since the previous poll.
+        """Transfers enqueued, completed and failed since the previous poll.
 
         Args:
           wait: block until every dispatched spill has completed (e.g. when admission waits
@@ -133,9 +187,11 @@ class TransferEngine:
         if wait and self._in_flight:
             jax.block_until_ready(self.host_pool.arrays)
         self._observe_completions()
-        report = TransferReport(tuple(self._enqueued), tuple(self._completed))
+        report = TransferReport(tuple(self._enqueued), tuple(self._completed),
+                                tuple(self._failed))
         self._enqueued = []
         self._completed = []
+        self._failed = []
         return report
 
     def _observe_completions(self) -> None:
@@ -153,3 +209,9 @@ class TransferEngine:
 
     def _put(self, rows: np.ndarray) -> jax.Array:
         return jax.device_put(rows, self._index_sharding)
+
+
+def _deleted(array: object) -> bool:
+    """Whether a jax array was deleted (donated and consumed); False for anything else."""
+    is_deleted = getattr(array, "is_deleted", None)
+    return bool(is_deleted()) if callable(is_deleted) else False

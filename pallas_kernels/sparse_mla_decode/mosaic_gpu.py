@@ -16,7 +16,13 @@ Design (one CTA per (query row, block of 64 heads, K split)):
     is a `RefUnion` of the tiled view (read by wgmma) and its physical view
     [stage, block_kv/8, D/64, 8, 64] (written by the row copies); the hardware swizzles by
     SMEM address, so a lone 128-B line lands where a full-tile copy would put it.
-    Invalid (-1) entries copy row 0 and are masked to -inf in the scores.
+    A masked entry must still fill its SMEM row (the tile is one wgmma operand), but it never
+    copies a row nobody selected: the wrapper encodes it as `-1 - r`, r a row that the same
+    query row selects (`redirect_masked`), the producer copies row max(id, -1 - id) and the
+    consumer masks every id < 0 to -inf. So the tile holds only rows the query row selects:
+    a NaN / Inf in an unselected row cannot reach P V (P = 0 times a NaN row would be NaN).
+    A query row with no valid entry copies row 0 (garbage allowed); the wrapper writes its
+    out = 0 and lse = -inf after the kernel.
   * Compute: S = Q K^T ([64, block_kv], fp32, contraction over all D) is computed by *both*
     compute warpgroups (identical results), online softmax in base 2, then warpgroup w
     accumulates O[:, w*v/2:(w+1)*v/2] += P V_w: a 64 x 512 fp32 accumulator needs 256
@@ -252,7 +258,8 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
 
                 def copy_row(i, c):
                     j = i * n_prod + pw
-                    src_row = jnp.maximum(idx_smem[slot, j], 0)
+                    ident = idx_smem[slot, j]
+                    src_row = jnp.maximum(ident, -1 - ident)   # masked -1 - r -> r (selected)
                     for ch in range(n_chunks):
                         src = kv_ref.at[pl.ds(src_row, 1), pl.ds(ch * _CHUNK, _CHUNK)]
                         if kv_phys is None:
@@ -355,7 +362,26 @@ def sparse_mla_decode(
     num_tiles = pl.cdiv(top_k, bkv)
     splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, num_tiles * bkv)
-    rows3 = rows.reshape(num_rows, num_tiles, bkv)
+    rows3 = redirect_masked(rows).reshape(num_rows, num_tiles, bkv)
     out, lse2 = _kernel_call(q_pad, kv_rows, rows3, scale2=float(sm_scale) * LOG2E,
                              v_width=v_width, num_splits=splits, cfg=cfg, interpret=interpret)
-    return merge_splits(out, lse2, h_q, q.dtype)
+    out, lse = merge_splits(out, lse2, h_q, q.dtype)
+    # A query row with no valid entry copied row 0 for its tiles: whatever the kernel made of
+    # it, the contract is out 0 and lse -inf.
+    any_valid = jnp.any(attention_rows >= 0, axis=1)
+    out = jnp.where(any_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(any_valid[:, None], lse, -jnp.inf)
+    return out, lse
+
+
+def redirect_masked(rows: jax.Array) -> jax.Array:
+    """The kernel's row ids: rows int32 [T, K] (-1 = masked) with each masked entry of query
+    row t replaced by `-1 - r`, r = the first valid entry of row t (0 when row t has none).
+
+    Still < 0 where masked (the score mask); `max(id, -1 - id)` is the row to copy: the
+    entry's own row, or r, a row that query row t selects anyway.
+    """
+    valid = rows >= 0
+    first = jnp.take_along_axis(rows, jnp.argmax(valid, axis=1)[:, None], axis=1)
+    first = jnp.maximum(first, 0)            # no valid entry: row 0 (the wrapper zeroes out)
+    return jnp.where(valid, rows, -1 - first)

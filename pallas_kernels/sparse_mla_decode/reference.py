@@ -12,6 +12,11 @@ The contract it defines (and every kernel backend reproduces):
   lse[t, h] = log sum_k exp(sm_scale * q[t, h] . kv[rows[t, k]])      (natural log, float32)
 
 A row with no valid entry gives out = 0 and lse = -inf. `out` has q's dtype.
+
+Masked entries are never read: whatever a row that no entry of query row t selects holds
+(NaN and Inf included) cannot change row t's outputs. A NaN in q[t, h] (or in a selected
+row) gives NaN out[t, h] and NaN lse[t, h] wherever row t has a valid entry, so lse = -inf
+always means "no valid entry" and never hides a NaN.
 """
 
 from __future__ import annotations
@@ -43,18 +48,21 @@ def sparse_mla_decode(
     valid = attention_rows >= 0                                     # [T, K]
     safe_rows = jnp.where(valid, attention_rows, 0)
     kv = jnp.take(kv_cache_rows, safe_rows, axis=0, mode="clip")   # [T, K, D]
-    kv = kv.astype(jnp.float32)
+    # Masked entries gathered row 0 (any row would do): zero them, so what that row holds
+    # (NaN, Inf) never reaches a score or a product (0 * NaN would be NaN).
+    kv = jnp.where(valid[..., None], kv.astype(jnp.float32), 0.0)
     qf = q.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     scores = jnp.einsum("thd,tkd->thk", qf, kv, precision=hi) * jnp.float32(sm_scale)
     scores = jnp.where(valid[:, None, :], scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1)                                    # [T, h]
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    any_valid = jnp.any(valid, axis=-1)[:, None]                    # [T, 1]
+    m = jnp.max(scores, axis=-1)                                    # [T, h]; NaN propagates
+    m_safe = jnp.where(any_valid, m, 0.0)
     p = jnp.exp(scores - m_safe[..., None])                         # masked -> exp(-inf) = 0
-    denom = jnp.sum(p, axis=-1)                                     # [T, h]
+    denom = jnp.sum(p, axis=-1)                                     # [T, h]; >= 1 or NaN
     out = jnp.einsum("thk,tkv->thv", p, kv[..., :v_width], precision=hi)
-    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    out = out / jnp.where(any_valid, denom, 1.0)[..., None]
+    lse = jnp.where(any_valid, m_safe + jnp.log(jnp.where(any_valid, denom, 1.0)), -jnp.inf)
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
@@ -62,17 +70,18 @@ def combine_splits(out: jax.Array, lse2: jax.Array, dtype) -> tuple[jax.Array, j
     """Flash-decoding combine of K splits, in float32.
 
     out [T, S, h, v] (each split normalised within itself), lse2 float32 [T, S, h] (base-2
-    log-sum-exp of that split, -inf for a split with no valid entry). Returns out [T, h, v] in
-    `dtype` and the natural-log lse [T, h]; a row with no valid entry gives 0 / -inf.
+    log-sum-exp of that split, -inf for a split with no valid entry, NaN for a split that saw
+    a NaN). Returns out [T, h, v] in `dtype` and the natural-log lse [T, h]; a row with no
+    valid entry (every split -inf) gives 0 / -inf, a NaN in any split gives NaN / NaN.
     """
-    m = jnp.max(lse2, axis=1)                                     # [T, h]
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    live = jnp.any(lse2 != -jnp.inf, axis=1)                      # [T, h]; NaN counts as live
+    m = jnp.max(lse2, axis=1)                                     # [T, h]; NaN propagates
+    m_safe = jnp.where(live, m, 0.0)
     w = jnp.exp2(lse2 - m_safe[:, None])                          # [T, S, h]; -inf -> 0
     total = jnp.sum(w, axis=1)
     comb = jnp.einsum("tsh,tshv->thv", w, out.astype(jnp.float32))
-    comb = comb / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, (m_safe + jnp.log2(jnp.where(total > 0, total, 1.0))) * LN2,
-                    -jnp.inf)
+    comb = comb / jnp.where(live, total, 1.0)[..., None]
+    lse = jnp.where(live, (m_safe + jnp.log2(jnp.where(live, total, 1.0))) * LN2, -jnp.inf)
     return comb.astype(dtype), lse.astype(jnp.float32)
 
 

@@ -14,8 +14,10 @@ second read of a row hits L2). Per step it gathers `block_k` selected rows as a 
 latent tile and a [block_k, 64] rope tile (Triton needs power-of-two shapes: the 576-wide row
 moves as 512 + 64), computes S = q_nope k_nope^T + q_rope k_rope^T in fp32, an online softmax
 in base 2 (running max starts at the finite `M_INIT` so fully masked tiles stay NaN-free), and
-acc += P k_nope. A -1 entry loads nothing (masked load) and scores -inf. K splits
-(flash-decoding) are combined in float32 by `reference.combine_splits`.
+acc += P k_nope. A -1 entry loads nothing (masked load: the row it would address is never
+read, so a NaN or Inf there cannot reach an output) and scores -inf. A NaN query head gives
+NaN out and NaN lse for that head. K splits (flash-decoding) are combined in float32 by
+`reference.combine_splits`.
 """
 
 from __future__ import annotations
@@ -171,10 +173,14 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
     if prefetch_ids:
         carry = (*carry, load_ids(0))
     acc, m_i, l_i = lax.fori_loop(0, steps, step, carry)[:3]
-    out = acc / jnp.maximum(l_i, 1e-30)[:, None]          # all-masked: acc = 0 -> out = 0
+    # l_i is 0 exactly when the split has no valid entry (then acc = 0: out 0, lse -inf); a
+    # NaN score (NaN query) makes l_i NaN, which both formulas pass on (no max() that might
+    # drop a NaN: out NaN, lse NaN).
+    empty = l_i == 0.0
+    out = acc / jnp.where(empty, 1.0, l_i)[:, None]
     vcols = jnp.arange(v_width, dtype=jnp.int32)[None, :]
     plgpu.store(out_ref.at[t, s, heads, vcols], out.astype(out_ref.dtype))
-    lse2 = jnp.where(l_i > 0, m_i + jnp.log2(jnp.maximum(l_i, 1e-30)), -jnp.inf)
+    lse2 = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
     plgpu.store(lse_ref.at[t, s, heads[:, 0]], lse2)
 
 

@@ -20,7 +20,7 @@ from bench.ops.resolve_residency import RESOLVE_VARIANTS
 from pallas_kernels.resolve_residency import reference as ref_module
 from pallas_kernels.resolve_residency import triton as tk
 from tests.ops import INTERPRET, POISON, backends, examples, lower_for_cuda, sds
-from tests.oracle import oracle_resolve, random_case
+from tests.oracle import host_row, oracle_resolve, random_case
 
 BACKENDS = backends("resolve_residency")
 TOP_KS = [1, 31, 32, 33, 63, 64, 65, 128, 2048]
@@ -33,14 +33,14 @@ OUTPUT_FIELDS = ("attention_rows", "valid_counts", "swap_src", "swap_dst", "swap
 NAMES = OUTPUT_FIELDS + ("slot_rows", "lru")
 
 
-def run_public(case, backend="reference"):
+def run_public(case, backend="reference", **kw):
     state = hs.HotState(jnp.asarray(case.slot_rows), jnp.asarray(case.lru))
     res_table = None if case.res_table is None else jnp.asarray(case.res_table)
     return hs.resolve_residency(
         state, jnp.asarray(case.topk), state_rows=jnp.asarray(case.state_rows),
         hot_block_table=jnp.asarray(case.hot_table),
         source_block_table=jnp.asarray(case.src_table), resident_block_table=res_table,
-        block_size=case.block_size, host_rows=case.host_rows, backend=backend)
+        block_size=case.block_size, host_rows=case.host_rows, backend=backend, **kw)
 
 
 def assert_matches_oracle(case, resolution, state):
@@ -317,6 +317,96 @@ def test_bad_input_names_the_argument(mutate, match):
     state, topk, kw = mutate(*_good_args())
     with pytest.raises((ValueError, TypeError), match=match):
         hs.resolve_residency(state, topk, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_columns_is_a_clear_error(backend):
+    """K = 0 fails in the argument check (naming topk and the rule), not inside a gather."""
+    state, _, kw = _good_args()
+    with pytest.raises(ValueError, match=r"topk .*1 <= top_k <= hot_size"):
+        hs.resolve_residency(state, jnp.zeros((2, 0), jnp.int32), backend=backend, **kw)
+
+
+# ------------------------------------------------------------------ validate=True (values)
+
+
+def _valid_case(seed, k=8, hot=16, block=4):
+    """A precondition-respecting random case with at least one live row (one shape)."""
+    rng = np.random.default_rng(seed)
+    case = random_case(rng, n=3, k=k, hot=hot, block_size=block, src_blocks=4)
+    case.hot_table = case.hot_table[:, : -(-hot // block)]
+    if (case.state_rows < 0).all():
+        case.state_rows[0] = 0
+    return case
+
+
+def _live_row(case, need_host_rows=0):
+    """A live batch row with at least `need_host_rows` valid host rows, or None."""
+    for n in np.flatnonzero(case.state_rows >= 0):
+        g = [host_row(case.src_table, n, int(t), case.block_size, case.host_rows)
+             for t in case.topk[n]]
+        if sum(x >= 0 for x in g) >= need_host_rows:
+            return int(n), g
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(0.1))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_validate_accepts_valid_cases(backend, seed):
+    """A valid random case passes validate=True and resolves exactly as without it."""
+    case = _valid_case(seed)
+    resolution, state = run_public(case, backend, validate=True)
+    assert_matches_oracle(case, resolution, state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rule", ["duplicate_host_row", "lru_repeat", "lru_out_of_range",
+                                  "null_hot_block", "negative_hot_block"])
+def test_validate_rejects_each_rule(backend, rule):
+    """Each value rule, broken on one live row: a ValueError naming the argument, the batch
+    row and the rule; the same case without validate=True runs (the check is opt-in)."""
+    case = _valid_case(5)
+    found = _live_row(case, need_host_rows=2)
+    assert found is not None
+    n, g = found
+    s = int(case.state_rows[n])
+    if rule == "duplicate_host_row":
+        cols = [i for i, x in enumerate(g) if x >= 0]
+        case.topk[n, cols[1]] = case.topk[n, cols[0]]
+        match = rf"topk row {n}: columns \[{cols[0]}, {cols[1]}\] .* must be unique"
+    elif rule == "lru_repeat":
+        case.lru[s, 1] = case.lru[s, 0]
+        match = rf"state.lru\[{s}\] \(the state row of batch row {n}\) must be a permutation"
+    elif rule == "lru_out_of_range":
+        case.lru[s, 3] = case.lru.shape[1]
+        match = rf"state.lru\[{s}\] \(the state row of batch row {n}\) must be a permutation"
+    else:
+        case.hot_table[n, 1] = 0 if rule == "null_hot_block" else -3
+        match = (rf"hot_block_table\[{n}, 1\] = {case.hot_table[n, 1]} for batch row {n}: "
+                 r".* must be > 0")
+    with pytest.raises(ValueError, match=match):
+        run_public(case, backend, validate=True)
+    run_public(case, backend)                              # opt-in: unchecked, it runs
+
+
+def test_validate_checks_live_rows_only():
+    """Padding rows (state_rows < 0) are not checked: their tables may hold anything."""
+    case = _valid_case(6)
+    case.state_rows[0] = -1
+    case.hot_table[0] = 0
+    case.topk[0] = case.topk[0, 0]
+    resolution, state = run_public(case, validate=True)
+    assert_matches_oracle(case, resolution, state)
+
+
+def test_validate_needs_concrete_arrays():
+    cfg, kw = identity_setup(8, 16, 4, n=2)
+    topk = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+    state = hs.init_hot_state(cfg)
+    with pytest.raises(ValueError, match="validate=True.*needs concrete arrays.*topk is traced"):
+        jax.jit(lambda t: hs.resolve_residency(state, t, validate=True, **kw))(topk)
+    hs.resolve_residency(state, topk, validate=True, **kw)          # concrete: fine
 
 
 def test_config_validation():

@@ -3,10 +3,14 @@
 CPU: each backend on random inputs (hypothesis), the multi-query-row form and fixed kernel
 cases (padded heads, two head blocks, K splits, the id-prefetch off), the Triton kernel in
 Pallas interpret mode and the Mosaic GPU kernel in Mosaic GPU interpret mode (where this jax
-has it); argument validation; the Triton kernel's CUDA lowering for every benchmark variant.
+has it); masked rows are never read (NaN / Inf planted in unselected rows, row 0 among them,
+change no bit of the output), a NaN query row gives NaN out and lse for that row only, K
+splits included, and all-masked rows stay 0 / -inf, on every backend; argument validation;
+the Triton kernel's CUDA lowering for every benchmark variant.
 GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three
 shapes (each variant compiles in its own test, so one that fails to build fails only its
-own), fresh random inputs with -1 holes anywhere and all-invalid rows.
+own), fresh random inputs with -1 holes anywhere and all-invalid rows, and the poison / NaN
+query test at K = 2048.
 """
 
 from __future__ import annotations
@@ -172,6 +176,144 @@ def test_bad_arguments_name_the_argument(mutate, exc, match):
         sparse_mla_decode(q, kv, rows, **kw)
 
 
+# ------------------------------------ masked rows are never read; NaN query -> NaN (every backend)
+
+POISON_ROWS = (0, 7, 33, 130)          # flat rows no entry selects, planted with NaN / Inf
+
+
+def poisoned_inputs(seed, n, h, top_k, num_rows, *, nan_query=False):
+    """make_inputs with NaN / Inf planted in rows nobody selects, and the rule cases:
+
+    returns (q, kv_clean, kv_poisoned, rows, dead, nan_rows): row `dead` = n - 1 has no valid
+    entry; with `nan_query`, query row 0 is NaN in every head (and selects nothing in the
+    second half of its K entries, so a K split of it has no valid entry) and query row 1 has
+    one NaN element in head 0 (nan_rows lists the (row, head) pairs that must be NaN).
+    """
+    q, kv, rows = make_inputs(seed, n, h, top_k, num_rows, invalid_rows=(n - 1,))
+    rows = np.asarray(rows).copy()
+    rows[np.isin(rows, POISON_ROWS)] = -1
+    flat = np.asarray(kv, np.float32).reshape(-1, kv.shape[-1])
+    poisoned = flat.copy()
+    poisoned[0] = np.nan
+    poisoned[7] = np.inf
+    poisoned[33, ::3] = -np.inf
+    poisoned[130, 5] = np.nan
+    poisoned[130, 600 % flat.shape[1]] = np.inf
+    kv_clean = kv
+    kv_poisoned = jnp.asarray(poisoned.reshape(kv.shape), kv.dtype)
+    nan_rows = []
+    if nan_query:
+        q = np.asarray(q, np.float32).copy()
+        q[0] = np.nan
+        rows[0, top_k // 2:] = -1
+        q[1, 0, 5] = np.nan
+        q = jnp.asarray(q, kv.dtype)
+        nan_rows = [(0, hh) for hh in range(h)] + [(1, 0)]
+    return q, kv_clean, kv_poisoned, jnp.asarray(rows), n - 1, nan_rows
+
+
+def assert_matches_float64_with_nans(out, lse, q, kv, rows, *, tol=1e-2):
+    """Like assert_close, but NaN is allowed exactly where the float64 reference has it (the
+    reference of a NaN query row is NaN in out and lse); the rest must be close."""
+    width = q.shape[-1]
+    ref_out, ref_lse = np_reference(q, np.asarray(kv, np.float64).reshape(-1, width), rows,
+                                    SM_SCALE, 512)
+    out = np.asarray(out, np.float64)
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    ok_out = ~np.isnan(ref_out)
+    diff = np.where(ok_out, out - ref_out, 0.0)
+    err = np.linalg.norm(diff) / max(np.linalg.norm(np.where(ok_out, ref_out, 0.0)), 1e-30)
+    assert err < tol, f"relative error {err:.3e} >= {tol}"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-2)
+    dead = np.isneginf(ref_lse)                       # no valid entry: out 0
+    assert np.all(out[dead] == 0.0)
+
+
+# Kernel knobs with two K splits at top_k 128 (the combine of a split without valid entry).
+POISON_CONFIGS = {"reference": {}, "triton": {"num_splits": 2, "block_k": 16},
+                  "mosaic_gpu": {"num_splits": 2}}
+
+
+def _poison_config(backend):
+    kw = POISON_CONFIGS[backend]
+    return _tuning(backend, **kw) if backend != "reference" else None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_rows_are_never_read(backend):
+    """NaN / Inf in rows that no entry selects (row 0 among them: the row a -1 entry used to
+    gather) leave every output equal to the float64 reference; the output is bit for bit the
+    one of the clean cache; the all-masked row is still 0 / -inf. A NaN query row gives NaN
+    out and lse for that row (that head) only, also across K splits."""
+    q, kv_clean, kv, rows, dead, nan_rows = poisoned_inputs(31, 4, 16, 128, 300,
+                                                            nan_query=True)
+    cfg = _poison_config(backend)
+    check_poisoned_run(q, kv_clean, kv, rows, dead, nan_rows, backend, cfg,
+                       compare_clean=backend != "mosaic_gpu")   # its interpret mode is slow
+
+
+def check_poisoned_run(q, kv_clean, kv, rows, dead, nan_rows, backend, cfg, *,
+                       compare_clean=True):
+    """Runs the op on the poisoned cache and checks the rules (poisoned_inputs' docstring);
+    with compare_clean, also that the output is bit for bit that of the clean cache."""
+    n, h = q.shape[:2]
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend, config=cfg)
+    assert out.shape == (n, h, 512) and lse.shape == (n, h)
+    assert_matches_float64_with_nans(out, lse, q, kv_clean, rows)
+    out64, lse64 = np.asarray(out, np.float64), np.asarray(lse)
+    assert np.all(out64[dead] == 0.0) and np.all(lse64[dead] == -np.inf)
+    nan_mask = np.zeros((n, h), bool)
+    for r, hh in nan_rows:
+        nan_mask[r, hh] = True
+    np.testing.assert_array_equal(np.isnan(lse64), nan_mask)
+    np.testing.assert_array_equal(np.isnan(out64).all(axis=-1), nan_mask)
+    np.testing.assert_array_equal(np.isnan(out64).any(axis=-1), nan_mask)
+    if not compare_clean:
+        return
+    clean_out, clean_lse = sparse_mla_decode(q, kv_clean, rows, sm_scale=SM_SCALE,
+                                             backend=backend, config=cfg)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.asarray(clean_out).view(np.uint16))
+    np.testing.assert_array_equal(lse64.view(np.uint32), np.asarray(clean_lse).view(np.uint32))
+
+
+@pytest.mark.parametrize("backend", RANDOM_BACKENDS)
+def test_all_masked_and_nan_query_rows_without_splits(backend):
+    """One K split: a NaN query row is NaN / NaN; a NaN query row with no valid entry is
+    still 0 / -inf (no valid entry wins); the clean rows are untouched."""
+    q, kv_clean, kv, rows, dead, _ = poisoned_inputs(32, 3, 4, 24, 200, nan_query=True)
+    q = np.asarray(q, np.float32).copy()
+    q[dead] = np.nan
+    q = jnp.asarray(q, kv.dtype)
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend)
+    assert_matches_float64_with_nans(out, lse, q, kv_clean, rows)
+    assert np.all(np.asarray(out, np.float32)[dead] == 0.0)
+    assert np.all(np.asarray(lse)[dead] == -np.inf)
+    assert np.isnan(np.asarray(lse)[0]).all() and not np.isnan(np.asarray(lse)[1, 1:]).any()
+
+
+def test_combine_splits_keeps_nan_and_empty_apart():
+    """The flash-decoding combine: a split without valid entry (-inf) adds nothing, a NaN
+    split makes the row NaN, every split -inf gives 0 / -inf."""
+    lse2 = jnp.array([[[1.0], [-jnp.inf]], [[jnp.nan], [-jnp.inf]], [[-jnp.inf], [-jnp.inf]],
+                      [[2.0], [3.0]]], jnp.float32)               # [T=4, S=2, h=1]
+    out = jnp.ones((4, 2, 1, 2), jnp.float32) * jnp.arange(1, 3, dtype=jnp.float32)[:, None,
+                                                                                    None]
+    comb, lse = reference.combine_splits(out, lse2, jnp.float32)
+    comb, lse = np.asarray(comb), np.asarray(lse)
+    np.testing.assert_allclose(comb[0], 1.0)
+    np.testing.assert_allclose(lse[0], 1.0 * math.log(2.0), rtol=1e-6)
+    assert np.isnan(comb[1]).all() and np.isnan(lse[1]).all()
+    assert np.all(comb[2] == 0.0) and np.all(lse[2] == -np.inf)
+    w = np.array([2.0**2, 2.0**3])
+    np.testing.assert_allclose(comb[3], (w @ np.array([1.0, 2.0])) / w.sum(), rtol=1e-6)
+    np.testing.assert_allclose(lse[3], math.log(w.sum()), rtol=1e-6)
+
+
 # ------------------------------------------------ kernels, fixed cases (interpret off the GPU)
 
 def _tuning(backend, **kw):
@@ -282,3 +424,14 @@ def test_kernel_gpu_all_holes_and_multi_query_rows(backend):
                          - np.asarray(ref[0], np.float32)) / np.linalg.norm(
                              np.asarray(ref[0], np.float32))
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("candidate", _gpu_candidates())
+def test_kernel_gpu_masked_rows_are_never_read(candidate):
+    """The compiled kernels at a real shape: NaN / Inf in rows nobody selects (row 0 among
+    them) change no bit of any output, the all-masked row is 0 / -inf, and a NaN query row
+    (head) is NaN in out and lse for that row (head) only, across K splits too."""
+    backend, cfg = _candidate_config(candidate)
+    check_poisoned_run(*poisoned_inputs(41, 4, 128, 2048, 50_000, nan_query=True), backend,
+                       cfg)

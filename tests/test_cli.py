@@ -1,0 +1,232 @@
+"""examples/decode.py's command line: every bad argument is refused at parsing, before any
+work, with exit status 2 and one line naming the flag and the rule; no silent fallbacks.
+
+`main([...])` runs in-process (capsys, pytest.raises(SystemExit)); `nn.init_model` is made
+to fail the test wherever a bad argument must stop before any work. One subprocess checks
+that a refused configuration prints no traceback. The good default run is covered by
+tests/test_engine.py::test_example_runs_end_to_end (not repeated here: it decodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from examples import decode
+from hisparse_jax import nn
+from hisparse_jax.engine import EngineConfig
+from host_tier import CapacityError
+
+ROOT = Path(__file__).resolve().parents[1]
+PROG = "decode.py"
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any model construction fails the test: the argument had to be refused before."""
+    def boom(*args, **kwargs):
+        pytest.fail("a bad argument reached nn.init_model (work ran before the check)")
+    monkeypatch.setattr(nn, "init_model", boom)
+
+
+def refused(argv, capsys) -> str:
+    """Runs main(argv), expects exit status 2, returns the one error line (checked to be the
+    only line besides the short usage line, with no traceback)."""
+    with pytest.raises(SystemExit) as exc:
+        decode.main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert "Traceback" not in captured.err
+    assert lines[0] == f"usage: {PROG} [options]", captured.err
+    assert len(lines) == 2, captured.err
+    assert lines[1].startswith(f"{PROG}: error: "), captured.err
+    return lines[1]
+
+
+# ------------------------------------------------------------------ one flag at a time
+
+BAD_VALUES = [
+    ("--top-k", "0"), ("--top-k", "-3"), ("--hot-size", "0"), ("--prompt-len", "0"),
+    ("--block-size", "0"), ("--gen-len", "0"), ("--max-model-len", "-4"), ("--requests", "0"),
+    ("--seats", "0"), ("--gpu-blocks", "0"), ("--host-blocks", "0"), ("--prefill-bucket", "0"),
+    ("--gpu-pool-fraction", "-1"), ("--gpu-pool-fraction", "0"), ("--gpu-pool-fraction", "1.5"),
+    ("--gpu-pool-fraction", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
+    ("--temperature", "warm"), ("--seed", "-1"), ("--seed", str(2**32)), ("--requests", "2.5"),
+    ("--config", "bogus"),
+]
+
+
+@pytest.mark.parametrize("flag, value", BAD_VALUES)
+def test_bad_value_is_refused_at_parsing(flag, value, capsys, no_work):
+    line = refused([flag, value], capsys)
+    assert f"argument {flag}:" in line
+    assert value in line or value.lstrip("-") in line
+
+
+@pytest.mark.parametrize("flag, rule", [
+    ("--top-k", "positive integer"), ("--gpu-pool-fraction", "(0, 1]"),
+    ("--temperature", ">= 0"), ("--seed", "[0, 4294967295]")])
+def test_bad_value_message_states_the_rule(flag, rule, capsys, no_work):
+    assert rule in refused([flag, "-1"], capsys)
+
+
+# ------------------------------------------------------------------ rules between flags
+
+CROSS_FIELD = [
+    (["--prompt-len", "100"], ["--prompt-len", "--gen-len", "--max-model-len"]),
+    (["--prompt-len", "40", "--gen-len", "30", "--max-model-len", "69"], ["--max-model-len"]),
+    (["--hot-size", "8"], ["--hot-size", "top_k 16"]),              # tiny's top_k is 16
+    (["--top-k", "40", "--hot-size", "32"], ["--hot-size", "top_k 40"]),
+    (["--hot-size", "40000"], ["--hot-size", "32768"]),
+    (["--top-k", "40000"], ["--top-k", "32768"]),
+    (["--check", "--all-resident"], ["--check", "--all-resident"]),
+    (["--all-resident", "--gpu-blocks", "10"], ["--gpu-blocks", "--all-resident"]),
+    (["--all-resident", "--hot-size", "32", "--host-blocks", "99"],
+     ["--hot-size", "--host-blocks"]),
+    (["--gpu-blocks", "10", "--gpu-pool-fraction", "0.5"],
+     ["--gpu-blocks", "--gpu-pool-fraction"]),
+]
+
+
+@pytest.mark.parametrize("argv, names", CROSS_FIELD)
+def test_cross_field_rules_are_checked_before_any_work(argv, names, capsys, no_work):
+    line = refused(argv, capsys)
+    for name in names:
+        assert name in line
+
+
+def test_fitting_lengths_pass_the_checks(no_work):
+    """The bound is inclusive: prompt + new tokens == max_model_len is accepted (the run
+    then stops at nn.init_model, which no_work turns into a failure: so check_args only)."""
+    p = decode.build_parser()
+    args = p.parse_args(["--prompt-len", "40", "--gen-len", "30", "--max-model-len", "70",
+                         "--hot-size", "16", "--check", "--temperature", "0.8"])
+    decode.check_args(p, args)                 # no SystemExit
+
+
+# ------------------------------------------------------------------ defaults, no fallbacks
+
+
+def _config(argv, all_resident=False) -> EngineConfig:
+    args = decode.build_parser().parse_args(argv)
+    return decode.engine_config(args, decode.model_config(args), all_resident=all_resident)
+
+
+def test_omitted_flags_mean_their_defaults():
+    default = _config([])
+    assert default.hot_size == 2 * nn.CONFIGS["tiny"].top_k          # rounded up to B = 4
+    assert default == _config(["--gpu-pool-fraction", str(decode.DEFAULT_GPU_POOL_FRACTION)])
+    assert _config(["--top-k", "6"]).hot_size == 12
+    assert _config(["--top-k", "6", "--block-size", "8"]).hot_size == 16
+    assert _config(["--hot-size", "20"]).hot_size == 20
+    assert _config(["--gpu-blocks", "77"]).num_gpu_blocks == 77
+    assert _config(["--host-blocks", "99"]).num_host_blocks == 99
+    # a smaller fraction gives a smaller pool (down to what a lone request needs)
+    assert (_config(["--gpu-pool-fraction", "1"]).num_gpu_blocks
+            > _config(["--gpu-pool-fraction", "0.4"]).num_gpu_blocks)
+
+
+def test_no_compile_cache_reaches_the_engine_config():
+    assert getattr(_config([]), "compilation_cache", True) is True
+    ec = _config(["--no-compile-cache"])
+    assert getattr(ec, "compilation_cache", False) is False
+    has_field = "compilation_cache" in {f.name for f in dataclasses.fields(EngineConfig)}
+    args = decode.build_parser().parse_args(["--no-compile-cache"])
+    assert decode.compile_cache_kwargs(args) == ({"compilation_cache": False} if has_field
+                                                 else {})
+
+
+# ------------------------------------------------------------------ engine refusals
+
+
+class _RefusingEngine:
+    """Stands in for Engine: refuses at construction or at add_request, records close()."""
+
+    closed = 0
+    refuse_at = "init"
+
+    def __init__(self, model, ec):
+        if self.refuse_at == "init":
+            raise ValueError("Coordinator.num_gpu_blocks must be >= 9,\n got 3")
+        self.model_config = nn.CONFIGS["tiny"]
+
+    def add_request(self, *args, **kwargs):
+        raise CapacityError("the device pool cannot hold a 64-token prompt: needs 20 blocks")
+
+    def close(self):
+        type(self).closed += 1
+
+
+@pytest.mark.parametrize("refuse_at, flag", [("init", "--gpu-blocks"),
+                                             ("add_request", "--gpu-blocks")])
+def test_engine_refusal_is_one_line_naming_the_flag(refuse_at, flag, monkeypatch, capsys):
+    monkeypatch.setattr(nn, "init_model", lambda *a, **k: object())
+    monkeypatch.setattr(_RefusingEngine, "refuse_at", refuse_at)
+    monkeypatch.setattr(_RefusingEngine, "closed", 0)
+    monkeypatch.setattr(decode, "Engine", _RefusingEngine)
+    line = refused([], capsys)
+    assert "the engine refused this configuration" in line and flag in line
+    # an engine that refused a request is closed (its pools are not leaked)
+    assert _RefusingEngine.closed == (1 if refuse_at == "add_request" else 0)
+
+
+def test_engine_refusal_prints_no_traceback():
+    """The real engine refuses a one-block host pool: one line, exit 2, in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "decode.py"),
+                           "--host-blocks", "1"], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"{PROG}: error: the engine refused"), proc.stderr
+    assert "--host-blocks" in lines[-1]
+    assert proc.stdout == ""
+
+
+# ------------------------------------------------------------------ --check's comparison
+
+
+@dataclasses.dataclass
+class _Done:
+    generated: list
+    finish_reason: str = "length"
+
+
+def test_check_says_which_tokens_it_compared():
+    a = {0: _Done([1, 2, 3]), 1: _Done([4, 5])}
+    line, same = decode.compare_tokens(a, dict(a), temperature=0.0, seed=7)
+    assert same and line == "greedy tokens identical to all-resident: True"
+    line, same = decode.compare_tokens(a, dict(a), temperature=0.8, seed=7)
+    assert same and line.startswith("sampled tokens under seed 7")
+    assert line.endswith("identical to all-resident: True")
+
+
+@pytest.mark.parametrize("other", [
+    {0: _Done([1, 2, 3]), 1: _Done([4, 6])},                         # one token differs
+    {0: _Done([1, 2, 3])},                                            # a request missing
+    {0: _Done([1, 2, 3]), 1: _Done([4, 5]), 2: _Done([])},            # an extra request
+    {0: _Done([1, 2, 3]), 1: _Done([4, 5], "error")},                 # finished differently
+])
+def test_check_fails_on_any_difference(other):
+    a = {0: _Done([1, 2, 3]), 1: _Done([4, 5])}
+    line, same = decode.compare_tokens(a, other, temperature=0.8, seed=3)
+    assert not same and line.endswith(": False")
+
+
+def test_argument_types_directly():
+    assert decode.positive_int("3") == 3
+    assert decode.pool_fraction("1") == 1.0
+    assert decode.non_negative_float("0") == 0.0
+    assert decode.seed_int(str(2**32 - 1)) == 2**32 - 1
+    for fn, text in [(decode.positive_int, "0"), (decode.pool_fraction, "0"),
+                     (decode.non_negative_float, "-0.5"), (decode.seed_int, "-1")]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(text)

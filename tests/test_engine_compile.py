@@ -43,7 +43,7 @@ def _record_buckets(engine):
 
     wrap(runner, "dispatch_decode", lambda reqs, res: used["decode"].add(variant_name(res)))
     wrap(runner, "prefill", lambda req, blocks: used["prefill"].add(
-        runner.prefill_length(req.num_tokens)))
+        runner.prefill_length(len(req.prompt))))
     wrap(runner.tables, "apply", lambda update: used["table_rows"].update(
         pow2_bucket(len(part), 8) for part in (update.src, update.res, update.hot) if len(part)))
 

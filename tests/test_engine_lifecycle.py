@@ -18,6 +18,7 @@ from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.ops import _registry
 from host_tier import CapacityError, Coordinator
+from tests.engine_reference import AllResidentReference, assert_idle
 
 MAX_LEN = 48
 SIZES = dict(max_seats=3, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN)
@@ -36,23 +37,10 @@ def _prompt(i, n):
 
 @pytest.fixture(scope="module")
 def reference():
-    """request -> the tokens an all-resident engine generates for it (cached)."""
-    engine = Engine(tiny_model(), EngineConfig(all_resident=True, **SIZES))
-    cache = {}
-
-    def tokens(req):
-        key = (req.prompt, req.max_new_tokens, req.temperature, req.stop_token_ids,
-               req.sampling_seed)
-        if key not in cache:
-            rid = engine.add_request(req.prompt, max_new_tokens=req.max_new_tokens,
-                                     temperature=req.temperature,
-                                     stop_token_ids=req.stop_token_ids, seed=req.sampling_seed)
-            out = engine.run()[rid]
-            cache[key] = (out.finish_reason, out.generated)
-        return cache[key]
-
-    yield tokens
-    engine.close()
+    """request -> (finish_reason, tokens) of an all-resident engine serving it."""
+    ref = AllResidentReference(tiny_model(), **SIZES)
+    yield ref
+    ref.close()
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +58,6 @@ def engine(shared):
     _drain(shared)
     shared.scheduler.deliver(wait=True)
     assert_idle(shared)
-
-
-def assert_idle(engine):
-    """No request left, every seat, device block and host block free, invariants hold."""
-    assert not engine.running and not engine.waiting
-    manager = engine.scheduler.manager
-    if isinstance(manager, Coordinator):
-        engine.scheduler.deliver(wait=True)
-        manager.check_invariants()
-        assert not manager.request_ids and not manager.has_pending_transfers()
-        assert manager.device_pool.num_free == manager.device_pool.num_usable
-        assert manager.host_pool.num_free == manager.host_pool.num_usable
 
 
 def assert_matches_reference(engine, reference, rids):
@@ -118,6 +94,8 @@ def test_add_request_checks_everything_before_queueing(engine, reference):
         (dict(prompt=[1], temperature=float("nan")), "temperature must be a finite"),
         (dict(prompt=[1], temperature=float("inf")), "temperature must be a finite"),
         (dict(prompt=[1], stop_token_ids=[600]), "token ids of stop_token_ids"),
+        (dict(prompt=[1], stop_token_ids=5), "stop_token_ids must be a sequence of int"),
+        (dict(prompt=[1], stop_token_ids="ab"), "stop_token_ids must be a sequence of int"),
         (dict(prompt=[1], request_id=["unhashable"]), "request_id must be hashable"),
         (dict(prompt=[1], seed=-1), "seed must be an int in"),
     ]
@@ -143,15 +121,21 @@ def test_add_request_checks_everything_before_queueing(engine, reference):
 
 
 def test_capacity_error_for_a_request_the_pools_can_never_hold():
-    # A host pool of 6 usable blocks (24 rows): a 30-token request never fits, a 20-token one
-    # does; the all-resident layout holds anything up to max_model_len.
+    # A host pool of 6 usable blocks holds prompts of up to 24 tokens (generated pages may
+    # stay on the device); a device pool of 13 usable blocks cannot grant a 20-token request
+    # its hot region (5 pages + 1 new + 8); the all-resident layout holds anything up to
+    # max_model_len. Nothing is queued for a refused request.
     engine = Engine(tiny_model(), EngineConfig(**SIZES, num_host_blocks=7))
-    with pytest.raises(CapacityError, match="host pool"):
-        engine.add_request([1] * 20, max_new_tokens=10)
-    with pytest.raises(CapacityError, match="host pool"):
-        engine.add_request([1] * 30, max_new_tokens=None)
-    assert not engine.waiting
-    engine.add_request([1] * 16, max_new_tokens=4)
+    with pytest.raises(CapacityError, match="host pool: the prompt needs 7 host blocks"):
+        engine.add_request([1] * 25, max_new_tokens=2)
+    engine.add_request([1] * 24, max_new_tokens=20)  # its generated pages may stay pinned
+    assert len(engine.waiting) == 1
+    engine.close()
+    engine = Engine(tiny_model(), EngineConfig(**SIZES, num_gpu_blocks=14))
+    with pytest.raises(CapacityError, match="device pool: alone, the request asks for its hot"):
+        engine.add_request([1] * 20, max_new_tokens=None)
+    engine.add_request([1] * 10, max_new_tokens=6)
+    assert len(engine.waiting) == 1
     engine.close()
     static = Engine(tiny_model(), EngineConfig(all_resident=True, **SIZES))
     static.add_request([1] * 40, max_new_tokens=8)

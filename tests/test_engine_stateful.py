@@ -1,14 +1,16 @@
 """Stateful test of the engine: random interleavings of good and bad requests, cancels, steps
 under pool pressure, and faults injected into the transfer path and the steps.
 
-Rules add good requests (greedy and sampled, some with a stop token), each bad request of
-the lifecycle rules (a duplicate id, an out-of-vocab token, prompt + max_new_tokens past
-max_model_len, a prompt the host pool can never hold: `CapacityError`), cancel waiting and
-running requests, run steps (a device pool of 21 blocks for 3 seats of up to 8-page requests
-and 8-block hot regions: waits, hot regions, unpinning, lost pages; a host pool of 8 usable
-blocks), and arm faults: spill copies into the host pool that raise (the worker reports them
-failed), a decode step that raises (before its call, or after it: its donated device arrays
-are then lost and rebuilt), a prefill that raises (its request fails alone).
+Rules add good requests (greedy and sampled, some with 40 stop tokens, some until
+max_model_len, explicit and automatic ids), each bad request of the lifecycle rules (a
+duplicate id, an out-of-vocab token, prompt + max_new_tokens past max_model_len, a prompt
+the host pool can never hold: `CapacityError`), cancel waiting and running requests, and run
+steps, some with a fault armed: a spill copy into the host pool that raises (the worker
+reports it failed), a decode step that raises (before its call, or after it: its donated
+device arrays are then lost and rebuilt), a prefill that raises (before or after its call:
+its request fails alone). Pools: 3 seats, requests of up to 42 tokens (11 pages of 4 rows);
+a device pool of 15 usable blocks with hot regions of 4 (waits, hot regions, unpinning,
+lost pages, preemptions); a host pool of 10 usable blocks.
 
 After every rule: the coordinator's invariants; no pass left open; every request added is in
 exactly one of waiting / running / finished (none lost); running requests hold their seats
@@ -38,8 +40,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -47,166 +49,159 @@ from hypothesis.stateful import (
 from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier import CapacityError
+from tests.engine_reference import AllResidentReference, assert_idle
 
 VOCAB = 512
-MAX_LEN = 40
+MAX_LEN = 42
 SIZES = dict(max_seats=3, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN)
-HOST_BLOCKS = 9  # 8 usable: 32 rows; a prompt of more than 32 tokens never fits
-GOOD_TOTAL = 28  # good requests hold at most 28 tokens (7 pages)
+DEVICE_BLOCKS = 16  # 15 usable for 3 seats of up to 7 pages and hot regions of 4 blocks
+HOST_BLOCKS = 11  # 10 usable: 40 rows; a prompt of 41 tokens never fits
+GOOD_PROMPT = MAX_LEN - 2  # the longest prompt (or recompute after a preemption) it holds
 _EXPLICIT_IDS = itertools.count()  # explicit ids stay unique across examples (one engine)
 
 
 class Fault:
-    """Wraps a function; raises RuntimeError("injected ...") on the next `armed` calls
-    (before the call, or `after` it: its donated arguments are then gone)."""
+    """Wraps functions; while armed, the next call of any of them raises RuntimeError
+    ("injected ...") once: before the call, or `after` it (its donated arguments are then
+    gone; `lose` drops what it returned too)."""
 
-    def __init__(self, fn, name):
-        self.fn, self.name = fn, name
-        self.armed, self.after, self.fired = 0, False, 0
-        functools.update_wrapper(self, fn)
+    def __init__(self, name, lose=None):
+        self.name, self.lose = name, lose
+        self.armed, self.after, self.fired = False, False, 0
+        self.hit = []  # the first argument of each call that raised
 
-    def __call__(self, *args, **kwargs):
-        if not self.armed:
-            return self.fn(*args, **kwargs)
-        self.armed -= 1
-        self.fired += 1
-        if self.after:
-            jax.block_until_ready(self.fn(*args, **kwargs))
-        raise RuntimeError(f"injected {self.name} failure")
+    def wrap(self, fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            if not self.armed:
+                return fn(*args, **kwargs)
+            self.armed = False
+            self.fired += 1
+            self.hit.append(args[0] if args else None)
+            if self.after:
+                jax.block_until_ready(fn(*args, **kwargs))
+                if self.lose is not None:
+                    self.lose()
+            raise RuntimeError(f"injected {self.name} failure")
+
+        return wrapped
 
 
 @functools.cache
 def engines():
-    """(HiSparse engine under pressure with its faults, reference all-resident engine,
-    reference cache); built once per session."""
+    """(HiSparse engine under pressure, its faults, the all-resident reference); built once
+    per session."""
     model = nn.init_model("tiny", seed=0)
-    engine = Engine(model, EngineConfig(num_gpu_blocks=21, num_host_blocks=HOST_BLOCKS,
-                                        **SIZES))
-    faults = {"mirror": Fault(engine.scheduler.transfers.mirror_fn, "spill copy"),
-              "prefill": Fault(engine.runner.jitted["prefill"], "prefill")}
-    engine.scheduler.transfers.mirror_fn = faults["mirror"]
-    engine.runner.jitted["prefill"] = faults["prefill"]
+    engine = Engine(model, EngineConfig(num_gpu_blocks=DEVICE_BLOCKS, hot_size=16,
+                                        num_host_blocks=HOST_BLOCKS, **SIZES))
+    runner, transfers = engine.runner, engine.scheduler.transfers
+
+    def lose_cache():  # the prefill's new cache is installed: delete it (a lost device)
+        jax.tree.map(lambda a: a.delete(), runner.cache)
+
+    faults = {"spill": Fault("spill copy"), "decode": Fault("decode"),
+              "prefill": Fault("prefill", lose=lose_cache)}
+    transfers.mirror_fn = faults["spill"].wrap(transfers.mirror_fn)
+    runner.prefill = faults["prefill"].wrap(runner.prefill)  # called with the request first
     for name in ("decode_fast", "decode_hot"):
-        faults[name] = Fault(engine.runner.jitted[name], name)
-        engine.runner.jitted[name] = faults[name]
-    reference = Engine(model, EngineConfig(all_resident=True, **SIZES))
-    return engine, faults, reference, {}
+        runner.jitted[name] = faults["decode"].wrap(runner.jitted[name])
+    return engine, faults, AllResidentReference(model, **SIZES)
 
 
-def reference_tokens(req):
-    _, _, reference, cache = engines()
-    key = (req.prompt, req.max_new_tokens, req.temperature, req.stop_token_ids,
-           req.sampling_seed)
-    if key not in cache:
-        rid = reference.add_request(req.prompt, max_new_tokens=req.max_new_tokens,
-                                    temperature=req.temperature,
-                                    stop_token_ids=req.stop_token_ids, seed=req.sampling_seed)
-        out = reference.run()[rid]
-        cache[key] = (out.finish_reason, list(out.generated))
-    return cache[key]
-
-
-def tokens(draw_len, seed):
-    return np.random.default_rng(seed).integers(0, VOCAB, draw_len).tolist()
+good_requests = st.lists(st.tuples(
+    st.integers(1, GOOD_PROMPT),  # prompt length
+    st.one_of(st.none(), st.integers(1, 12)),  # max_new_tokens (capped at max_model_len)
+    st.booleans(),  # sampled (temperature 0.8) or greedy
+    st.booleans(),  # 40 random stop tokens
+    st.integers(0, 2 ** 16),  # the seed of the prompt and stop tokens
+    st.booleans(),  # an explicit request id
+), min_size=1, max_size=3)
 
 
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.engine, self.faults, _, _ = engines()
+        self.engine, self.faults, self.reference = engines()
         self.manager = self.engine.scheduler.manager
-        assert not self.engine.has_work
+        # The previous example drained the engine, unless it failed: then cancel what it left.
+        for fault in self.faults.values():
+            fault.armed = False
+        for rid in [*self.engine.running, *(r.request_id for r in self.engine.waiting)]:
+            self.engine.cancel(rid)
+        assert_idle(self.engine)
         self.added = {}  # request id -> Request
-        self.checked = set()  # finished request ids compared with the reference
-        self.hit_by_fault = set()  # ids a prefill fault may have failed
-        self.prefills_before = self.faults["prefill"].fired
-        self.decode_raises = 0
+        self.checked = set()  # finished request ids already compared with the reference
 
     # ------------------------------------------------------------------ requests
 
-    @rule(n=st.integers(1, GOOD_TOTAL - 1), new=st.integers(1, 12), sampled=st.booleans(),
-          stop=st.booleans(), seed=st.integers(0, 2 ** 16), explicit=st.booleans())
-    def add_good_request(self, n, new, sampled, stop, seed, explicit):
-        new = min(new, GOOD_TOTAL - n)
-        prompt = tokens(n, seed)
-        rid = self.engine.add_request(
-            prompt, max_new_tokens=new, temperature=0.8 if sampled else 0.0,
-            stop_token_ids=[prompt[0]] if stop else (),
-            request_id=f"explicit-{next(_EXPLICIT_IDS)}" if explicit else None)
-        assert rid not in self.added
-        self.added[rid] = self._find(rid)
+    @initialize(requests=good_requests)
+    def start(self, requests):
+        self.add_good_requests(requests)
 
-    @rule(which=st.integers(0, 10 ** 6))
-    @precondition(lambda self: self.added)
-    def add_duplicate_id(self, which):
-        rid = list(self.added)[which % len(self.added)]
-        self._rejected(ValueError, "names a waiting, running or finished request",
-                       [1, 2, 3], request_id=rid)
+    @rule(requests=good_requests)
+    def add_good_requests(self, requests):
+        for n, new, sampled, stop, seed, explicit in requests:
+            rng = np.random.default_rng(seed)
+            prompt = rng.integers(0, VOCAB, n).tolist()
+            rid = self.engine.add_request(
+                prompt, max_new_tokens=None if new is None else min(new, MAX_LEN - n),
+                temperature=0.8 if sampled else 0.0,
+                stop_token_ids=rng.integers(0, VOCAB, 40).tolist() if stop else (),
+                request_id=f"explicit-{next(_EXPLICIT_IDS)}" if explicit else None)
+            assert rid not in self.added
+            self.added[rid] = self.engine.waiting[-1]
+            assert self.added[rid].request_id == rid
 
-    @rule(bad=st.sampled_from([VOCAB, VOCAB + 7, -1]), n=st.integers(1, 10))
-    def add_out_of_vocab_token(self, bad, n):
-        self._rejected(ValueError, "token ids of prompt", [1] * n + [bad])
-
-    @rule(n=st.integers(1, MAX_LEN - 1), extra=st.integers(1, 8))
-    def add_too_long_request(self, n, extra):
-        self._rejected(ValueError, "exceeds max_model_len", [1] * n,
-                       max_new_tokens=MAX_LEN - n + extra)
-
-    @rule(n=st.integers(4 * (HOST_BLOCKS - 1) + 1, MAX_LEN - 1))
-    def add_request_that_never_fits(self, n):
-        self._rejected(CapacityError, "host pool", [1] * n, max_new_tokens=1)
-
-    def _rejected(self, error, match, prompt, **kwargs):
-        kwargs.setdefault("max_new_tokens", 2)
+    @rule(kind=st.sampled_from(["duplicate id", "out of vocab", "too long", "never fits"]),
+          n=st.integers(1, MAX_LEN - 1), extra=st.integers(0, 10 ** 6))
+    def add_bad_request(self, kind, n, extra):
+        kwargs = dict(max_new_tokens=1)
+        if kind == "duplicate id":
+            if not self.added:
+                return
+            kwargs["request_id"] = list(self.added)[extra % len(self.added)]
+            error, match, prompt = ValueError, "names a waiting, running or finished", [1]
+        elif kind == "out of vocab":
+            bad = [VOCAB, VOCAB + extra % 100, -1 - extra % 3][extra % 3]
+            error, match, prompt = ValueError, "token ids of prompt", [1] * (n % 20) + [bad]
+        elif kind == "too long":
+            kwargs["max_new_tokens"] = MAX_LEN - n + 1 + extra % 8
+            error, match, prompt = ValueError, "exceeds max_model_len", [1] * n
+        else:  # a prompt of more pages than the host pool's usable blocks
+            error, match = CapacityError, "host pool"
+            prompt = [1] * (GOOD_PROMPT + 1)
         before = (len(self.engine.waiting), len(self.engine.running), len(self.engine.finished))
         with pytest.raises(error, match=match):
             self.engine.add_request(prompt, **kwargs)
         assert before == (len(self.engine.waiting), len(self.engine.running),
                           len(self.engine.finished))
 
-    @rule(which=st.integers(0, 10 ** 6))
-    @precondition(lambda self: self.engine.waiting)
-    def cancel_waiting(self, which):
-        req = self.engine.waiting[which % len(self.engine.waiting)]
-        assert self.engine.cancel(req.request_id)
-        assert req.finish_reason == "cancelled" and req.request_id not in self.engine.running
-
-    @rule(which=st.integers(0, 10 ** 6))
-    @precondition(lambda self: self.engine.running)
-    def cancel_running(self, which):
-        rid = list(self.engine.running)[which % len(self.engine.running)]
-        assert self.engine.cancel(rid) and rid not in self.manager
-        assert self.engine.finished[rid].finish_reason == "cancelled"
-        assert not self.engine.cancel(rid)
+    @rule(running=st.booleans(), which=st.integers(0, 10 ** 6))
+    def cancel(self, running, which):
+        e = self.engine
+        ids = list(e.running) if running else [r.request_id for r in e.waiting]
+        if not ids:
+            return
+        rid = ids[which % len(ids)]
+        assert e.cancel(rid)
+        assert e.finished[rid].finish_reason == "cancelled" and rid not in self.manager
+        assert rid not in e.running and not e.cancel(rid)
 
     # ------------------------------------------------------------------ steps and faults
 
-    @rule(n=st.integers(1, 6))
-    def steps(self, n):
+    @rule(n=st.integers(1, 8),
+          fault=st.sampled_from([None, "spill", "decode", "decode-lost", "prefill",
+                                 "prefill-lost"]))
+    def steps(self, n, fault):
+        if fault is not None:
+            f = self.faults[fault.split("-")[0]]
+            f.armed, f.after = True, fault.endswith("lost")
         for _ in range(n):
-            admitted = {r.request_id for r in self.engine.waiting}
-            prefill_fired = self.faults["prefill"].fired
             try:
                 self.engine.step()
             except RuntimeError as e:
+                # Only a decode step raises (a spill copy or a prefill fails alone).
                 assert "injected decode" in str(e), e
-                self.decode_raises += 1
-            if self.faults["prefill"].fired != prefill_fired:
-                self.hit_by_fault |= admitted
-
-    @rule(calls=st.integers(1, 3))
-    def fail_spill_copies(self, calls):
-        self.faults["mirror"].armed = calls
-
-    @rule(after=st.booleans(), variant=st.sampled_from(["decode_fast", "decode_hot"]))
-    def fail_a_decode_step(self, after, variant):
-        fault = self.faults[variant]
-        fault.armed, fault.after = 1, after
-
-    @rule(after=st.booleans())
-    def fail_a_prefill(self, after):
-        fault = self.faults["prefill"]
-        fault.armed, fault.after = 1, after
 
     # ------------------------------------------------------------------ invariants
 
@@ -217,7 +212,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not sched.pass_decode and not sched.pass_admitted
 
     @invariant()
-    def no_request_lost(self):
+    def no_request_lost_and_seats_distinct(self):
         e = self.engine
         where = {}
         for place, ids in (("waiting", [r.request_id for r in e.waiting]),
@@ -233,39 +228,37 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def finished_requests_have_the_all_resident_tokens(self):
+        failed_prefills = {id(req) for req in self.faults["prefill"].hit}
         for rid, req in self.added.items():
             if rid in self.checked or req.finish_reason is None:
                 continue
             self.checked.add(rid)
             if req.finish_reason in ("stop", "length", "max_model_len"):
-                assert (req.finish_reason, req.generated) == reference_tokens(req), rid
-            elif req.finish_reason == "error":
-                assert rid in self.hit_by_fault and "injected prefill" in req.error, req.error
+                want = self.reference(req)
+                assert (req.finish_reason, req.generated) == want, (
+                    rid, req.num_preemptions, req.temperature, len(req.prompt),
+                    req.finish_reason, req.generated, want)
+            elif req.finish_reason == "error":  # only the request whose prefill failed
+                assert id(req) in failed_prefills and "injected prefill" in req.error, req.error
 
     @invariant()
     def idle_engine_holds_nothing(self):
-        if self.engine.has_work:
-            return
-        self.engine.scheduler.deliver(wait=True)
-        m = self.manager
-        assert not m.request_ids and not m.has_pending_transfers()
-        assert m.device_pool.num_free == m.device_pool.num_usable
-        assert m.host_pool.num_free == m.host_pool.num_usable
+        if not self.engine.has_work:
+            assert_idle(self.engine)
 
     def teardown(self):
         for fault in self.faults.values():
-            fault.armed = 0
-        for _ in range(1000):
-            if not self.engine.has_work:
-                break
-            self.engine.step()
-        assert not self.engine.has_work, "the engine did not drain"
+            fault.armed = False
+        e, idle = self.engine, 0
+        while e.has_work:  # every step makes progress, or a few steps later one does
+            progress = (e.metrics.generated_tokens, len(e.finished), e.metrics.prefills)
+            e.step()
+            idle = idle + 1 if progress == (e.metrics.generated_tokens, len(e.finished),
+                                            e.metrics.prefills) else 0
+            assert idle < 100, "the engine stopped making progress"
         self.finished_requests_have_the_all_resident_tokens()
         self.idle_engine_holds_nothing()
         assert all(r.finish_reason is not None for r in self.added.values())
-
-    def _find(self, rid):
-        return next(r for r in self.engine.waiting if r.request_id == rid)
 
 
 def _run(examples: int, steps: int) -> None:
@@ -275,7 +268,7 @@ def _run(examples: int, steps: int) -> None:
 
 
 def test_engine_state_machine():
-    _run(examples=int(os.environ.get("HISPARSE_ENGINE_STATEFUL_EXAMPLES_CI", "8")), steps=25)
+    _run(examples=12, steps=30)
 
 
 @pytest.mark.slow

@@ -37,8 +37,8 @@ keeps serving the others and loses none of their work):
     progress, or whose page restore the worker reports failed. The step goes on.
   * `cancel(request_id)`: a waiting or running request finishes with "cancelled".
   * Any other exception from `step()` leaves an engine whose next `step()` works: the
-    requests of the failed step's batch are preempted (recompute: their tokens are kept, the
-    last one is sampled again with the same key), admitted requests whose prefill did not
+    requests of the failed step's batch are preempted (recompute by replay: their tokens are
+    kept and fed back, `scheduler.py`), admitted requests whose prefill did not
     run go back to the queue, the manager's pass is closed and its table / hot-state updates
     applied, the plan's transfers that never reached the worker are reported failed; when
     the device arrays were lost (donated to a failed call, or poisoned) they are rebuilt
@@ -96,13 +96,16 @@ class _PrefillLostDevice(Exception):
 
 
 def _token_ids(what: str, values: Any, vocab: int) -> tuple[int, ...]:
-    """`values` as a tuple of token ids in [0, vocab); ValueError naming `what` otherwise."""
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError):
-        arr = None
-    if (arr is None or arr.ndim != 1 or isinstance(values, (str, bytes))
-            or (arr.size and arr.dtype.kind not in "iu")):
+    """`values` (a sequence or other iterable of ints) as a tuple of token ids in [0, vocab);
+    ValueError naming `what` otherwise."""
+    arr = None
+    if not isinstance(values, (str, bytes)):
+        try:
+            arr = np.asarray(values if isinstance(values, (Sequence, np.ndarray))
+                             else list(values))
+        except (TypeError, ValueError):
+            pass
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"add_request: {what} must be a sequence of int token ids, got "
                          f"{values!r:.80}")
     if arr.size and (arr.min() < 0 or arr.max() >= vocab):
@@ -276,7 +279,7 @@ class Engine:
                 or not math.isfinite(temperature) or temperature < 0):
             raise ValueError(f"add_request: temperature must be a finite number >= 0, got "
                              f"{temperature!r}")
-        stops = frozenset(_token_ids("stop_token_ids", list(stop_token_ids), vocab))
+        stops = frozenset(_token_ids("stop_token_ids", stop_token_ids, vocab))
         if seed is not None and (not is_int(seed) or not 0 <= seed < 2 ** 32):
             raise ValueError(f"add_request: seed must be an int in [0, 2**32) or None, got "
                              f"{seed!r}")
@@ -294,7 +297,9 @@ class Engine:
             if scheduler.knows(request_id):
                 raise ValueError(f"add_request: request_id {request_id!r} names a waiting, "
                                  "running or finished request; ids must be unique")
-        reason = self._capacity_error(len(prompt), total)
+        # Admitted with its prompt (again after a preemption: it replays its tokens), then one
+        # token per step; its last sampled token is never written: total - 1 tokens at most.
+        reason = scheduler.manager.capacity_error(len(prompt), total - 1)
         if reason is not None:
             raise CapacityError(f"add_request: the request can never be served: {reason}")
         index = self._num_added
@@ -304,11 +309,6 @@ class Engine:
                                  float(temperature), stops,
                                  seed=None if seed is None else int(seed)))
         return request_id
-
-    def _capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
-        # TODO(H2 merge): call manager.capacity_error directly.
-        check = getattr(self.scheduler.manager, "capacity_error", None)
-        return None if check is None else check(num_prompt_tokens, max_total_tokens)
 
     def cancel(self, request_id: Hashable) -> bool:
         """Cancels a waiting or running request: it finishes with finish_reason "cancelled"
@@ -394,8 +394,8 @@ class Engine:
                    if scheduled.decode else None)
         for req in scheduled.admitted:
             self._prefill(req, st)
-        st.spills_handed = True  # the worker reports a failing copy itself
-        runner.after_forward(plan)
+        runner.after_forward(plan)  # the worker reports a copy that raises as failed
+        st.spills_handed = True
         self.scheduler.deliver()
         if pending is not None:
             self._collect(pending)
@@ -415,9 +415,9 @@ class Engine:
             return
         self._clock.account(variant, seconds, "prefill_seconds", compiled=compiled)
         self.metrics.prefills += 1
-        self.metrics.prompt_tokens += req.num_tokens
+        self.metrics.prompt_tokens += len(req.prompt)
         scheduler.start(req)
-        if attention is not None:
+        if attention is not None and not req.replaying:
             req.attention.append(attention)
         scheduler.record(req, token)
 
@@ -433,7 +433,7 @@ class Engine:
                                    row_bytes=self.row_bytes)
         for req in reqs:
             self.scheduler.collected(req)
-            if result.attention is not None:
+            if result.attention is not None and not req.replaying:
                 req.attention.append(result.attention[:, req.seat])
             self.scheduler.record(req, int(result.tokens[req.seat]))
 

@@ -64,6 +64,8 @@ class Metrics:
     wall_seconds: float = 0.0
     rows_moved_per_step: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
+    replayed_tokens: int = 0  # tokens fed back after preemptions (not in generated_tokens)
+    replay_mismatches: int = 0  # replayed steps that drew another token (0: exact replay)
     waits: int = 0
     device_resets: int = 0  # device arrays rebuilt after a failed step lost them
 
@@ -147,6 +149,8 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         "lost_pages": stats.get("lost_pages", 0),
         "hot_grants": stats.get("hot_grants", 0),
         "preemptions": m.preemptions,
+        "replayed_tokens": m.replayed_tokens,
+        "replay_mismatches": m.replay_mismatches,
         "waits": m.waits,
         "device_resets": m.device_resets,
         "device_bytes": device_bytes,

@@ -19,7 +19,9 @@ class Request:
     """A generation request and its progress.
 
     `seat` is its state row while it runs (batch row `seat` of the decode step serves it),
-    -1 before admission. `index` is its add_request order (it seeds the top-k source and the
+    -1 before admission. `live`: how many of `generated` the current admission has produced
+    (a fresh admission prefills the prompt, so 0 at admission); while live <
+    len(generated) the request replays its known tokens after a preemption (`replaying`). `index` is its add_request order (it seeds the top-k source and the
     synthetic prefill rows); `seed` picks its sampling keys (the key of its i-th sampled token
     is a function of (EngineConfig.seed, seed, i); by default seed = index). `max_new_tokens`
     None: generate until max_model_len tokens. `finish_reason` is one of `FINISH_REASONS` once
@@ -40,6 +42,17 @@ class Request:
     num_preemptions: int = 0
     seed: int | None = None  # sampling seed; None: `index`
     error: str | None = None
+    live: int = 0
+
+    @property
+    def replaying(self) -> bool:
+        """The next token its step produces is one it generated before a preemption."""
+        return self.live < len(self.generated)
+
+    @property
+    def last_live_token(self) -> int:
+        """The token its next decode step feeds: the last one produced in this admission."""
+        return self.generated[self.live - 1]
 
     @property
     def sampling_seed(self) -> int:

@@ -153,8 +153,10 @@ class StaticResidency:
     def has_pending_transfers(self) -> bool:
         return False
 
-    def on_transfers(self, report: TransferReport | None = None) -> None:
-        del report  # no transfers are ever planned
+    def on_transfers(self, report: TransferReport | None = None, **ids: Sequence[int]) -> None:
+        if report or any(ids.values()):
+            raise ValueError("StaticResidency.on_transfers: no transfer is ever planned, got "
+                             f"{report} {ids}")
 
 
 class NoTransfers:

@@ -67,6 +67,17 @@ def _pow2_sizes(lo: int, hi: int) -> list[int]:
     return sizes
 
 
+def _lost(array: jax.Array) -> bool:
+    """Deleted (donated to a call that failed), or poisoned (its computation failed)."""
+    if array.is_deleted():
+        return True
+    try:
+        array.block_until_ready()
+    except Exception:  # noqa: BLE001 - a failed computation's output raises here
+        return True
+    return False
+
+
 def _int32_bits(value: int) -> int:
     """An int's low 32 bits as an int32 (sampling seeds are folded in as uint32)."""
     return (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31
@@ -179,26 +190,29 @@ class Runner:
         return (jax.tree.leaves(self.cache) + jax.tree.leaves(self.topk_state)
                 + [self.tables.src, self.tables.res, self.tables.hot])
 
+    def _lost_pool_layers(self) -> list[int]:
+        if self.host_pool is None:
+            return []
+        return [i for i in range(self.host_pool.num_layers) if _lost(self.host_pool.layer(i))]
+
     def device_state_lost(self) -> bool:
-        """Whether a device array the steps carry over (caches, hot states, block tables,
-        top-k state) was lost: deleted (donated to a call that failed) or poisoned (a failed
-        computation produced it). Waits for the arrays."""
-        arrays = self._device_arrays()
-        if any(a.is_deleted() for a in arrays):
-            return True
-        try:
-            jax.block_until_ready(arrays)
-        except Exception:  # noqa: BLE001 - a failed computation's output raises here
-            return True
-        return False
+        """Whether an array the steps carry over (caches, hot states, block tables, top-k
+        state, host pool layers) was lost: deleted (donated to a call that failed) or
+        poisoned (a failed computation produced it). Waits for the arrays."""
+        return any(_lost(a) for a in self._device_arrays()) or bool(self._lost_pool_layers())
 
     def reset_device_state(self, tables: TableUpdate) -> None:
         """Rebuilds the device state from scratch (`_init_device_state`; zero block tables
-        that then get `tables`, e.g. the manager's `tables.full_update()`). The caller has
-        released every request whose rows lived there (they are recomputed)."""
+        that then get `tables`, e.g. the manager's `tables.full_update()`) and replaces lost
+        host pool layers with zeros. The caller has released every request whose rows lived
+        there (they are recomputed; the engine publishes no host page)."""
+        lost_layers = self._lost_pool_layers()
         self._init_device_state()
         self.tables = type(self.tables).from_config(self.cfg, device=self.device)
         self.tables.apply(tables)
+        pool = self.host_pool
+        for i in lost_layers:
+            pool.replace_layer(i, jax.device_put(np.zeros(pool.shape, pool.dtype), pool.sharding))
 
     def _set_cache(self, cache: DecodeCache) -> None:
         """Keeps the cache under the mode's residency between steps (one prefill variant)."""
@@ -242,12 +256,12 @@ class Runner:
         seeds = np.zeros(S, np.int32)
         steps = np.zeros(S, np.int32)
         for req in reqs:
-            tokens[req.seat] = req.generated[-1]
-            positions[req.seat] = req.num_tokens - 1
+            tokens[req.seat] = req.last_live_token
+            positions[req.seat] = len(req.prompt) + req.live - 1
             state_rows[req.seat] = req.seat
             temperature[req.seat] = req.temperature
             seeds[req.seat] = _int32_bits(req.sampling_seed)
-            steps[req.seat] = len(req.generated) - 1  # decode steps since the prefill
+            steps[req.seat] = req.live - 1  # decode steps since the prefill
         compiles = CompileWatch.count
         t0 = time.perf_counter()
         next_tokens, aux = self._decode(residency, tokens, positions, state_rows, temperature,
@@ -286,11 +300,11 @@ class Runner:
 
     def prefill(self, req: Request, res_blocks: np.ndarray
                 ) -> tuple[int, np.ndarray | None, float, Hashable, bool]:
-        """Prefills an admitted request into its resident blocks `res_blocks` (int64[pages]);
-        returns (sampled token, attention [L, h, kv_lora] or None, seconds, variant, whether
-        something compiled meanwhile)."""
+        """Prefills an admitted request's prompt into its resident blocks `res_blocks`
+        (int64[pages]); returns (sampled token, attention [L, h, kv_lora] or None, seconds,
+        variant, whether something compiled meanwhile)."""
         B = self.cfg.block_size
-        tokens = req.tokens
+        tokens = req.prompt
         n = len(tokens)
         T = self.prefill_length(n)
         padded = np.zeros(T, np.int32)
@@ -303,7 +317,7 @@ class Runner:
             self.topk_state = self.topk_source.admit(self.topk_state, req.seat, req.index, n)
         t0 = time.perf_counter()
         token, aux = self._prefill(padded, n, req.seat, write_rows, req.temperature,
-                                   req.sampling_seed, len(req.generated), req.index)
+                                   req.sampling_seed, req.live, req.index)
         token = int(token)
         attention = np.asarray(aux["attention"]) if "attention" in aux else None
         return (token, attention, time.perf_counter() - t0, ("prefill", T),
@@ -338,8 +352,8 @@ class Runner:
           * each decode variant (`jitted`; "decode_fast" only when the mode can take the fast
             path): every batch row padding (state row -1 writes and selects nothing);
           * the prefill at every padded length `prefill_length(n)`, n = 1 .. max_model_len - 1
-            (the prompt of a request, or prompt + generated[:-1] after a preemption, is
-            shorter than max_model_len): writes to no row (-1) and index-key row S (dropped);
+            (a prompt is shorter than max_model_len; a preempted request prefills its prompt
+            again): writes to no row (-1) and index-key row S (dropped);
           * the top-k source's `admit` (seat 0, a free seat: the next admission rewrites it);
           * the block-table updates (`host_tier.DeviceBlockTables.apply`) of every row count
             bucket up to S rows per table: the current rows sent again;

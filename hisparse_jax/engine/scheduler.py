@@ -11,6 +11,11 @@ the transfer worker's reports):
      (`request_room`) and admission stops for this pass;
   4. when nothing can run: wait for copies in flight, or preempt the most recently admitted
      request that had to wait (recompute: it re-enters the queue with its generated tokens);
+     a preempted request is recomputed by replay: its prompt is prefilled again and its
+     generated tokens are fed back one decode step each (their outputs known, not sampled
+     again), which repeats the original computation bit for bit (a prefill over prompt and
+     generated tokens would not: a batched matmul of another shape rounds differently, and a
+     near-tie can flip a token);
   5. the plan is built, and the step's residency chosen: `AllResident` when the mode allows
      it and every scheduled request's pages are resident (the fast path), else the mode's.
 
@@ -121,7 +126,7 @@ class Scheduler:
         self._finish_failed_restores()
         decode, waited = self.pass_decode, []
         for req in list(self.running.values()):
-            result = manager.schedule(req.request_id, new_token_ids=[req.generated[-1]])
+            result = manager.schedule(req.request_id, new_token_ids=[req.last_live_token])
             (waited if result is not None else decode).append(req)
         m.waits += len(waited)
         admitted = self._admit()
@@ -143,14 +148,14 @@ class Scheduler:
             # Admission keeps a hot region's worth of blocks free while others run, so a
             # running request that crosses the watermark can get its hot region (and start
             # unpinning) instead of stalling until someone is preempted.
-            need = cdiv(req.num_tokens, self.cfg.block_size)
+            need = cdiv(len(req.prompt), self.cfg.block_size)
             if (self.running or admitted) and manager.device_pool.num_free - need < hot_blocks:
                 self.metrics.waits += 1
                 # Running requests move to hot regions and unpin pages until it fits.
                 manager.request_room(need + hot_blocks)
                 break
             try:
-                result = manager.admit(req.request_id, req.tokens)
+                result = manager.admit(req.request_id, req.prompt)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 self.waiting.popleft()
                 self.fail(req, f"admission failed: {type(e).__name__}: {e}")
@@ -183,8 +188,7 @@ class Scheduler:
     def _finish_failed_restores(self) -> None:
         """Requests whose page restore the worker reported failed (the manager's
         `failed_requests`): their device rows cannot be trusted, they finish with an error."""
-        # TODO(H2 merge): call manager.failed_requests() directly.
-        for rid in getattr(self.manager, "failed_requests", tuple)():
+        for rid in self.manager.failed_requests():
             req = self.running.get(rid)
             if req is not None:
                 self.fail(req, "a page restore from the host pool failed")
@@ -196,8 +200,16 @@ class Scheduler:
 
     def record(self, req: Request, token: int) -> bool:
         """Records a sampled token; finishes the request (True) when a stop condition holds:
-        a stop token (kept), `max_new_tokens`, or `max_model_len` tokens."""
+        a stop token (kept), `max_new_tokens`, or `max_model_len` tokens. While the request
+        replays, the token is one it generated before: the known one is kept (a different
+        draw counts in `metrics.replay_mismatches`)."""
+        if req.replaying:
+            self.metrics.replayed_tokens += 1
+            self.metrics.replay_mismatches += token != req.generated[req.live]
+            req.live += 1
+            return False
         req.generated.append(token)
+        req.live += 1
         self.metrics.generated_tokens += 1
         if token in req.stop_token_ids:
             reason = "stop"
@@ -216,8 +228,7 @@ class Scheduler:
         holds (`manager.abort`: nothing it computed is published) wherever it is: waiting
         (the caller took it off the queue), admitted in the open pass, or running."""
         if req.request_id in self.manager:
-            # TODO(H2 merge): self.manager.abort directly.
-            getattr(self.manager, "abort", self.manager.preempt)(req.request_id)
+            self.manager.abort(req.request_id)
         if req in self.pass_admitted:
             self.pass_admitted.remove(req)
         self._finish(req, "error", message)
@@ -249,16 +260,15 @@ class Scheduler:
         self.pass_decode.remove(req)
 
     def preempt(self, req: Request) -> None:
-        """Recompute preemption: the request re-enters the queue with its generated tokens;
-        its last sampled token is recomputed by the next prefill (the rows are not reused)."""
+        """Recompute preemption: the request re-enters the queue with its generated tokens
+        (its rows are not reused: it replays them, module docstring); its last sampled token
+        is sampled again by the replay (with its own key: the same token comes back)."""
         self.manager.preempt(req.request_id)
         del self.running[req.request_id]
         if req in self.pass_decode:
             self.pass_decode.remove(req)
-        # Re-admission prefills prompt + generated[:-1] and samples generated[-1] again, so the
-        # last token is dropped here (greedy, or the request's own key: the same token comes
-        # back).
         req.generated.pop()
+        req.live = 0
         if req.attention:
             req.attention.pop()
         self.metrics.generated_tokens -= 1

@@ -12,7 +12,9 @@ reference; a kernel module adds the keywords `interpret` (True off the GPU: the 
 runs in the Pallas interpreter) and `tuning` (its tuning dataclass; `DEFAULT` when omitted)
 and a `supports(...)` that returns None when the kernel can run the inputs, else the reason.
 Shared pieces: `_triton.py` (Triton-lowering helpers), `_rows.py` (position -> flat row
-through a block table), `_compat.py` (every jax-version difference).
+through a block table), `_compat.py` (every jax-version difference), `kv_format.py` (the KV
+row formats "bf16" and "fp8_ds_mla": the 656-byte row layout, quantize / dequantize;
+`docs/kv_format.md`).
 
 This package imports only jax, numpy and itself, and knows nothing of the host-tier
 coordinator; the validated public ops and the backend registry live in `hisparse_jax.ops`.

@@ -7,6 +7,8 @@ Run on the GPU machine: `PYTHONPATH=. python3 -m bench.ops.gather_compact`. Writ
     kernel vs a bulk `jax.device_put` pinned_host -> device of the same bytes (bandwidth
     ratio; and vs a 1 GiB bulk copy, the large-transfer ceiling) and vs the `compute_on`
     reference (speed-up); wall time of one public call;
+  * the same at 16384 and 65536 rows of 656 B (fp8_ds_mla rows, uint8; `docs/kv_format.md`)
+    from a 344 MB pool, with the ratio to the bf16 figure of the same row count;
   * index group: `gather_compact_group` of one swap plan into L=8 layers, one launch vs one
     launch per layer vs the reference.
 """
@@ -33,11 +35,21 @@ from bench.ops import (
     rand_bf16,
     sharding,
 )
+from pallas_kernels.kv_format import FP8_ROW_BYTES
 
 HOST, DEVICE = sharding("pinned_host"), sharding("device")
 
 
+def _random_rows(rng, shape, dtype):
+    """Random bf16 rows, or random bytes for uint8 (fp8_ds_mla) rows."""
+    if jnp.dtype(dtype) == jnp.uint8:
+        return rng.integers(0, 256, size=shape, dtype=np.uint8)
+    return rand_bf16(rng, shape)
+
+
 def bench_gather(run: Run, rows: int, pool, rng) -> dict[str, Any]:
+    """`rows` rows of `pool` ([host_blocks, BLOCK, row], bf16 or uint8) into a device cache."""
+    row_bytes = pool.shape[-1] * pool.dtype.itemsize
     n = max(1, rows // 2048)
     k = rows // n
     host_rows = pool.shape[0] * pool.shape[1]
@@ -46,18 +58,20 @@ def bench_gather(run: Run, rows: int, pool, rng) -> dict[str, Any]:
     dst = jnp.asarray(rng.permutation(num_blocks * BLOCK)[: n * k].reshape(n, k)
                       .astype(np.int32))
     counts = jnp.full((n,), k, jnp.int32)
-    out: dict[str, Any] = {"rows": rows, "row_bytes": ROW_BYTES, "pool_rows": host_rows}
+    out: dict[str, Any] = {"rows": rows, "row_bytes": row_bytes, "pool_rows": host_rows,
+                           "dtype": str(pool.dtype)}
     for backend in ("triton", "reference"):
-        holder = [jax.device_put(rand_bf16(rng, (num_blocks, BLOCK, WIDTH)), DEVICE)]
+        holder = [jax.device_put(_random_rows(rng, (num_blocks, BLOCK, pool.shape[-1]),
+                                              pool.dtype), DEVICE)]
 
         def step(backend=backend, holder=holder):
             holder[0] = hj.gather_compact(pool, holder[0], src, dst, counts, backend=backend)
             return holder[0]
         out[backend] = time_fn(step, iters=20)
-    same_size = bulk(rows * ROW_BYTES, "pinned_host", DEVICE)
+    same_size = bulk(rows * row_bytes, "pinned_host", DEVICE)
     out["bulk_device_put_host_to_device"] = same_size
-    kernel_gbps = gbps(rows * ROW_BYTES, out["triton"]["median_us"])
-    bulk_gbps = gbps(rows * ROW_BYTES, same_size["median_us"])
+    kernel_gbps = gbps(rows * row_bytes, out["triton"]["median_us"])
+    bulk_gbps = gbps(rows * row_bytes, same_size["median_us"])
     out.update(
         kernel_GBps=kernel_gbps, bulk_GBps=bulk_gbps,
         ratio_to_bulk=kernel_gbps / bulk_gbps,
@@ -65,7 +79,12 @@ def bench_gather(run: Run, rows: int, pool, rng) -> dict[str, Any]:
         speedup_vs_reference=out["reference"]["median_us"] / out["triton"]["median_us"])
     bulk_1g = bulk_1gib_gbps("pinned_host", DEVICE)
     out.update(bulk_1GiB_GBps=bulk_1g, ratio_to_bulk_1GiB=kernel_gbps / bulk_1g)
-    run.table.append(f"gather {rows:6d} rows: {out['triton']['median_us']:8.1f} us "
+    bf16 = run.results.get(f"gather_compact_{rows}_rows", {}).get("triton")
+    if row_bytes != ROW_BYTES and bf16:
+        out["bf16_rows_us"] = bf16["median_us"]
+        out["speedup_vs_bf16_rows"] = bf16["median_us"] / out["triton"]["median_us"]
+    run.table.append(f"gather {rows:6d} rows of {row_bytes} B: "
+                     f"{out['triton']['median_us']:8.1f} us "
                      f"{kernel_gbps:5.1f} GB/s = {out['ratio_to_bulk']:.2f} x same-size bulk, "
                      f"{out['ratio_to_bulk_1GiB']:.2f} x 1 GiB bulk {bulk_1g:.1f} GB/s "
                      f"(target {out['target_ratio_to_bulk']}), "
@@ -115,6 +134,12 @@ def main() -> None:
         run.record(f"gather_compact_{rows}_rows",
                    lambda rows=rows: bench_gather(run, rows, holder[0], rng))
     holder.clear()                                              # free the pool
+    holder.append(jax.device_put(_random_rows(rng, (host_blocks, BLOCK, FP8_ROW_BYTES),
+                                              jnp.uint8), HOST))    # 344 MB of fp8 rows
+    for rows in ((256,) if SMALL else (16384, 65536)):
+        run.record(f"gather_compact_fp8_{rows}_rows",
+                   lambda rows=rows: bench_gather(run, rows, holder[0], rng))
+    holder.clear()
     run.record("index_group_L8", lambda: bench_group(run, 2 if SMALL else 8, rng))
     run.finish()
 

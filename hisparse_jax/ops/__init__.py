@@ -11,7 +11,10 @@
 Every op validates its arguments before any work (ValueError / TypeError naming the argument
 and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
 or None (the best backend that supports the inputs on a GPU, else "reference"); the rules are
-in `_registry.py`. Semantics of the residency ops: `docs/semantics.md`.
+in `_registry.py`. Semantics of the residency ops: `docs/semantics.md`. KV rows come in two
+formats (`KV_FORMATS`, `pallas_kernels/kv_format.py`, `docs/kv_format.md`): the copies move
+either as rows of any dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes
+`kv_format=`.
 """
 
 from hisparse_jax.ops._registry import BACKENDS, registered_backends
@@ -23,9 +26,11 @@ from hisparse_jax.ops.copies import (
     restore_rows,
 )
 from hisparse_jax.ops.residency import Resolution, invalidate_written_rows, resolve_residency
+from pallas_kernels.kv_format import KV_FORMATS
 
 __all__ = [
     "BACKENDS",
+    "KV_FORMATS",
     "Resolution",
     "gather_compact",
     "gather_compact_group",

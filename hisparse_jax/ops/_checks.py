@@ -18,6 +18,7 @@ import numpy as np
 from hisparse_jax.state import HotState
 from host_tier.sizes import cdiv, is_int
 from pallas_kernels import _compat
+from pallas_kernels import kv_format as kvf
 
 Q_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -224,24 +225,38 @@ def validate_group(host_pools, kv_caches) -> None:
 
 
 def validate_attention(q: Any, kv_cache: Any, attention_rows: Any, sm_scale: Any,
-                       v_width: Any) -> None:
+                       v_width: Any, kv_format: Any = kvf.BF16) -> None:
     for name, x in (("q", q), ("kv_cache", kv_cache), ("attention_rows", attention_rows)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    kvf.check_kv_format(kv_format)
     if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in Q_DTYPES]:
         raise TypeError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     if q.ndim not in (3, 4):
         raise ValueError(
             f"q must be [N, h_q, D] or, for the multi-query-row form, [N, s_q, h_q, D]; "
             f"got shape {tuple(q.shape)}")
-    if jnp.dtype(kv_cache.dtype) != jnp.dtype(q.dtype):
+    width = q.shape[-1]
+    fp8 = kv_format == kvf.FP8_DS_MLA
+    if fp8:
+        if width != kvf.ROW_WIDTH:
+            raise ValueError(f"q must be {kvf.ROW_WIDTH} wide ({kvf.LATENT_DIM} latent + "
+                             f"{kvf.ROPE_DIM} rope) with kv_format={kv_format!r}, got {width}")
+        if jnp.dtype(kv_cache.dtype) != jnp.dtype(jnp.uint8):
+            raise TypeError(f"kv_cache must be uint8 (bytes of {kv_format} rows) with "
+                            f"kv_format={kv_format!r}, got {kv_cache.dtype}")
+    elif jnp.dtype(kv_cache.dtype) != jnp.dtype(q.dtype):
         raise TypeError(f"kv_cache dtype must equal q's dtype {q.dtype}, got {kv_cache.dtype}")
+    row = kvf.storage_width(kv_format, width)
+    unit = "B" if fp8 else "D"
     if kv_cache.ndim not in (2, 3):
         raise ValueError(
-            f"kv_cache must be [num_blocks, B, D] (or flat rows [R, D]), got shape "
+            f"kv_cache must be [num_blocks, B, {unit}] (or flat rows [R, {unit}]), got shape "
             f"{tuple(kv_cache.shape)}")
-    width = q.shape[-1]
-    if kv_cache.shape[-1] != width:
+    if kv_cache.shape[-1] != row:
+        if fp8:
+            raise ValueError(f"kv_cache rows must be {row} bytes with kv_format={kv_format!r}, "
+                             f"got {kv_cache.shape[-1]}")
         raise ValueError(f"kv_cache row width {kv_cache.shape[-1]} != q width {width}")
     if jnp.dtype(attention_rows.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(f"attention_rows must be int32, got {attention_rows.dtype}")
@@ -253,8 +268,10 @@ def validate_attention(q: Any, kv_cache: Any, attention_rows: Any, sm_scale: Any
             f"shape {tuple(attention_rows.shape)}")
     if attention_rows.shape[-1] < 1:
         raise ValueError("attention_rows must select at least one entry per row (K >= 1)")
-    if not is_int(v_width) or not 0 < v_width <= width:
-        raise ValueError(f"v_width must be an int in [1, {width}] (the row width), got {v_width!r}")
+    max_v = kvf.LATENT_DIM if fp8 else width
+    if not is_int(v_width) or not 0 < v_width <= max_v:
+        what = f"the {kvf.LATENT_DIM} latent values" if fp8 else "the row width"
+        raise ValueError(f"v_width must be an int in [1, {max_v}] ({what}), got {v_width!r}")
     if isinstance(sm_scale, jax.Array) or not isinstance(sm_scale, numbers.Real) \
             or isinstance(sm_scale, bool):
         raise TypeError(f"sm_scale must be a Python float (static), got {type(sm_scale).__name__}")

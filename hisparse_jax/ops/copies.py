@@ -3,10 +3,13 @@ layer of an index group), `mirror_rows` (device -> host) and `restore_rows` (hos
 the host tier's page restores).
 
 The pool lives in pinned_host memory: [host_rows, W] or [host_blocks, B, W]; the caches are
-[num_blocks, B, W] on the device, of the pool's dtype. Outside a jit, `gather_compact`,
-`gather_compact_group` and `restore_rows` donate the caches and `mirror_rows` the pool
-(inside a user's jit, donate at that jit's boundary). `backend=` picks the implementation
-through `hisparse_jax.ops._registry` (None: the Triton kernel on a GPU, else the reference).
+[num_blocks, B, W] on the device, of the pool's dtype. Rows are copied as opaque elements of
+any dtype and width: bf16 rows are W = 576 bf16, fp8_ds_mla rows W = 656 uint8
+(`pallas_kernels/kv_format.py`), moved by the Triton kernel as 512 + 128 + 16-byte pieces.
+Outside a jit, `gather_compact`, `gather_compact_group` and `restore_rows` donate the caches
+and `mirror_rows` the pool (inside a user's jit, donate at that jit's boundary). `backend=`
+picks the implementation through `hisparse_jax.ops._registry` (None: the Triton kernel on a
+GPU, else the reference).
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat
+from pallas_kernels import kv_format as kvf
 from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
 
 BLOCK_H = 64          # heads per CTA: the wgmma M of one warpgroup
@@ -101,11 +102,18 @@ DEFAULT = TuningConfig()
 
 
 def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
-             v_width: int = 512, interpret: bool = False) -> str | None:
+             v_width: int = 512, kv_format: str = kvf.BF16,
+             interpret: bool = False) -> str | None:
     """None when this kernel handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
-    arguments of `sparse_mla_decode`), else the reason: bf16/f16, D % 64 == 0, v_width a
-    multiple of 128 and <= 512; with `interpret`, a jax with Mosaic GPU interpret mode."""
+    arguments of `sparse_mla_decode`), else the reason: "bf16" rows only, bf16/f16,
+    D % 64 == 0, v_width a multiple of 128 and <= 512; with `interpret`, a jax with Mosaic GPU
+    interpret mode."""
     del kv_rows, attention_rows, sm_scale
+    if kvf.check_kv_format(kv_format) != kvf.BF16:
+        return (f"the mosaic_gpu kernel reads bf16 rows only, not {kv_format}: its TMA copies "
+                f"land each row straight in the wgmma operand layout, with no register pass "
+                f"to dequantize fp8 bytes and apply the per-group scales (the triton backend "
+                f"reads {kv_format})")
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the mosaic_gpu kernel needs bfloat16 or float16 inputs, got {q.dtype}"
     width = q.shape[-1]
@@ -334,7 +342,8 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
     return kernel(q, kv_rows, rows3)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format", "interpret",
+                                             "tuning"))
 def sparse_mla_decode(
     q: jax.Array,
     kv_rows: jax.Array,
@@ -342,11 +351,12 @@ def sparse_mla_decode(
     *,
     sm_scale: float,
     v_width: int = 512,
+    kv_format: str = kvf.BF16,
     interpret: bool = False,
     tuning: TuningConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype,
-    attention_rows int32 [T, K] (-1 = masked).
+    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype
+    (kv_format "bf16" only), attention_rows int32 [T, K] (-1 = masked).
 
     Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
     Raises ValueError with `supports`' reason for inputs it cannot run.
@@ -354,7 +364,7 @@ def sparse_mla_decode(
     cfg = tuning or DEFAULT
     num_rows, h_q, width = q.shape
     top_k = attention_rows.shape[1]
-    reason = supports(q, kv_rows, v_width=v_width, interpret=interpret)
+    reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format, interpret=interpret)
     if reason is not None:
         raise ValueError(reason)
     bkv = cfg.block_kv

@@ -3,13 +3,18 @@
 The contract it defines (and every kernel backend reproduces):
 
   q:               [T, h_q, D]   query rows (T = number of query rows, D = 576 for DSV3.2)
-  kv_cache_rows:   [R, D]        flat device rows (num_blocks * B of them), one latent head (MQA)
+  kv_cache_rows:   [R, D]        flat device rows (num_blocks * B of them), one latent head (MQA),
+                                 of q's dtype (kv_format "bf16"), or uint8 [R, 656] rows of
+                                 the "fp8_ds_mla" format (`pallas_kernels/kv_format.py`), D = 576
   attention_rows:  int32 [T, K]  row of `kv_cache_rows` per selected token, -1 = masked
                                  (holes may be anywhere); valid entries are in [0, R)
   sm_scale:        float         softmax scale applied to q . k
 
   out[t, h] = sum_k softmax_k(sm_scale * q[t, h] . kv[rows[t, k]]) * kv[rows[t, k], :v_width]
   lse[t, h] = log sum_k exp(sm_scale * q[t, h] . kv[rows[t, k]])      (natural log, float32)
+
+With "fp8_ds_mla", kv[r] is the dequantized row (`kv_format.dequantize`, float32): the value
+is its first v_width latent values, the score uses all 576.
 
 A row with no valid entry gives out = 0 and lse = -inf. `out` has q's dtype.
 
@@ -27,12 +32,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_format as kvf
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 M_INIT = -1e30        # the kernels' finite running-max start: fully masked tiles stay NaN-free
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format"))
 def sparse_mla_decode(
     q: jax.Array,
     kv_cache_rows: jax.Array,
@@ -40,6 +47,7 @@ def sparse_mla_decode(
     *,
     sm_scale: float,
     v_width: int = 512,
+    kv_format: str = kvf.BF16,
 ) -> tuple[jax.Array, jax.Array]:
     """Reference sparse MLA decode over flat rows; shapes as in the module docstring.
 
@@ -47,7 +55,9 @@ def sparse_mla_decode(
     """
     valid = attention_rows >= 0                                     # [T, K]
     safe_rows = jnp.where(valid, attention_rows, 0)
-    kv = jnp.take(kv_cache_rows, safe_rows, axis=0, mode="clip")   # [T, K, D]
+    kv = jnp.take(kv_cache_rows, safe_rows, axis=0, mode="clip")   # [T, K, D] (or [T, K, 656])
+    if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA:
+        kv = kvf.dequantize(kv, jnp.float32)                        # [T, K, 576]
     # Masked entries gathered row 0 (any row would do): zero them, so what that row holds
     # (NaN, Inf) never reaches a score or a product (0 * NaN would be NaN).
     kv = jnp.where(valid[..., None], kv.astype(jnp.float32), 0.0)

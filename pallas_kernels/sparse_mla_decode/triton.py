@@ -18,6 +18,17 @@ acc += P k_nope. A -1 entry loads nothing (masked load: the row it would address
 read, so a NaN or Inf there cannot reach an output) and scores -inf. A NaN query head gives
 NaN out and NaN lse for that head. K splits (flash-decoding) are combined in float32 by
 `reference.combine_splits`.
+
+fp8 rows (`kv_format="fp8_ds_mla"`, uint8[656], layout in `pallas_kernels/kv_format.py`): the
+same program and online softmax; only the K-tile read differs (`_read_fp8_rows`): the latent
+arrives as four [block_k, 128] byte tiles, one per scale group, converted to bf16 in registers
+(float8_e4m3fn -> bf16 is exact), the 4 float32 scales and the 64 bf16 rope values are
+assembled from their bytes with integer shifts and same-width bitcasts (the Triton lowering
+bitcasts only between equal widths). The scales are applied per row, not per element: group
+g's partial score q_g . k_g is multiplied by scale_g (a [block_k] vector broadcast over the
+heads), and P times scale_g feeds group g's value product, whose [block_h, 128] accumulator is
+one of four. So no [block_k, 512] multiply and no extra rounding of the values: the bf16
+operands are the stored fp8 values exactly, the scales enter in float32.
 """
 
 from __future__ import annotations
@@ -33,7 +44,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _compat, _triton
+from pallas_kernels import kv_format as kvf
 from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
+
+FP8_WORDS = ("contiguous", "strided")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +63,10 @@ class AttentionTuning:
     num_splits: K splits per (row, head block); None = about two waves of programs.
     prefetch_ids: load each step's row ids one step ahead (loop carry), so the K-tile gather's
       addresses are ready at the top of the step and Triton's pipeliner can issue it ahead.
+    fp8_words: how "fp8_ds_mla" rows' scale (float32) and rope (bf16) words are assembled from
+      their bytes (`_load_words`): "contiguous" (one 16-byte-aligned load per row, reshaped
+      to [block_k, words, bytes] and combined) or "strided" (one strided load per byte
+      position, no 3-D reshape). Ignored for "bf16" rows.
     The defaults are the sweep's choice (`bench/NOTES-sparse_mla.md`).
     """
 
@@ -58,6 +76,7 @@ class AttentionTuning:
     num_stages: int = 3
     num_splits: int | None = None
     prefetch_ids: bool = True
+    fp8_words: str = "contiguous"
 
     def __post_init__(self) -> None:
         if self.block_h is not None and (not _triton.is_pow2(self.block_h)
@@ -75,6 +94,9 @@ class AttentionTuning:
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"AttentionTuning.num_splits must be None or >= 1, "
                              f"got {self.num_splits}")
+        if self.fp8_words not in FP8_WORDS:
+            raise ValueError(f"AttentionTuning.fp8_words must be one of {FP8_WORDS}, "
+                             f"got {self.fp8_words!r}")
 
 
 DEFAULT = AttentionTuning()
@@ -96,12 +118,15 @@ def _row_pieces(width: int, v_width: int) -> tuple[tuple[int, int], ...] | None:
 
 
 def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
-             v_width: int = 512, interpret: bool = False) -> str | None:
+             v_width: int = 512, kv_format: str = kvf.BF16,
+             interpret: bool = False) -> str | None:
     """None when this kernel handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
     arguments of `sparse_mla_decode`; kv_rows may be [num_blocks, B, D]), else the reason.
 
-    Needs bf16/f16, v_width a power of two >= 16 and the rest of the row power-of-two pieces
-    >= 16, and a KV cache of < 2^31 elements (row ids are int32 offsets).
+    "bf16" rows: bf16/f16, v_width a power of two >= 16 and the rest of the row power-of-two
+    pieces >= 16. "fp8_ds_mla" rows: uint8 [.., 656] rows of 576 values, a bfloat16 q and
+    v_width a multiple of 128 up to 512 (whole scale groups). Both: a KV cache of < 2^31
+    elements (row ids are int32 offsets).
     """
     del attention_rows, sm_scale, interpret
     width = q.shape[-1]
@@ -109,6 +134,19 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
     if kv_elems >= 2**31:
         return (f"the triton kernel addresses the KV cache with int32 offsets: at most 2^31 - 1 "
                 f"elements, got {kv_elems}")
+    if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA:
+        if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16):
+            return f"the triton kernel needs a bfloat16 q for {kv_format} rows, got {q.dtype}"
+        if width != kvf.ROW_WIDTH or kv_rows.shape[-1] != kvf.FP8_ROW_BYTES \
+                or jnp.dtype(kv_rows.dtype) != jnp.dtype(jnp.uint8):
+            return (f"the triton kernel reads {kv_format} rows as uint8[{kvf.FP8_ROW_BYTES}] "
+                    f"against a {kvf.ROW_WIDTH}-wide q; got q width {width}, rows "
+                    f"{jnp.dtype(kv_rows.dtype).name}[{kv_rows.shape[-1]}]")
+        if v_width % kvf.GROUP or not kvf.GROUP <= v_width <= kvf.LATENT_DIM:
+            return (f"the triton kernel needs v_width a multiple of {kvf.GROUP} up to "
+                    f"{kvf.LATENT_DIM} for {kv_format} rows (whole scale groups), "
+                    f"got {v_width}")
+        return None
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the triton kernel needs bfloat16 or float16 inputs, got {q.dtype}"
     if _row_pieces(width, v_width) is None:
@@ -118,16 +156,116 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
     return None
 
 
+# ----------------------------------------------------------------- reading one K tile of rows
+#
+# A reader loads the selected rows of one K step and returns (keys, key_scales, values):
+#   keys[j]        [block_k, size_j] tile in q's dtype, contracted with q's piece j
+#                  (`_q_pieces`: the same column pieces, in order);
+#   key_scales[j]  float32 [block_k] per-row factor of that piece's scores, or None;
+#   values[i]      (tile [block_k, size_i], float32 [block_k] per-row factor or None):
+#                  acc_i += (P * factor) @ tile, stored at the output columns of
+#                  `_value_pieces(...)[i]`.
+# Masked lanes (valid False) load zeros: a row no entry selects is never read.
+
+
+def _masked_load(kv_ref, safe, valid, cols):
+    """[block_k, len(cols)] of kv_ref at rows `safe` [block_k, 1], columns `cols` [1, w];
+    zeros where `valid` [block_k] is False."""
+    shape = (safe.shape[0], cols.shape[1])
+    return plgpu.load(kv_ref.at[safe, cols], mask=jnp.broadcast_to(valid[:, None], shape),
+                      other=0)
+
+
+def _cols(start: int, size: int):
+    """int32 [1, size]: columns start .. start + size - 1."""
+    return (start + jnp.arange(size, dtype=jnp.int32))[None, :]
+
+
+def _read_float_rows(kv_ref, safe, valid, *, pieces):
+    """"bf16" rows: the row's power-of-two pieces as they are; the value is piece 0."""
+    keys = [_masked_load(kv_ref, safe, valid, _cols(start, size)) for start, size in pieces]
+    return keys, [None] * len(keys), [(keys[0], None)]
+
+
+def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype, how: str):
+    """unsigned `dtype` [block_k, count]: the little-endian words of `nbytes` bytes each at
+    bytes [start, start + count * nbytes) of the selected rows (zeros where masked).
+
+    "contiguous": one [block_k, count * nbytes] load (a 16-byte-aligned run per row, so it
+    vectorises), reshaped to [block_k, count, nbytes], widened, each byte shifted into place
+    and the disjoint bytes summed. "strided": one [block_k, count] load per byte position b
+    (columns start + nbytes * j + b), widened, shifted and OR-ed: no 3-D reshape, but byte
+    loads. The caller bitcasts the words to their float type (the Triton lowering bitcasts
+    only between equal widths).
+    """
+    if how == "contiguous":
+        tile = _masked_load(kv_ref, safe, valid, _cols(start, count * nbytes))
+        parts = tile.reshape(tile.shape[0], count, nbytes).astype(dtype)
+        shifts = (8 * jnp.arange(nbytes, dtype=jnp.int32)).astype(dtype)[None, None, :]
+        return jnp.sum(parts << shifts, axis=2, dtype=dtype)
+    word = None
+    for b in range(nbytes):
+        cols = (start + b + nbytes * jnp.arange(count, dtype=jnp.int32))[None, :]
+        part = _masked_load(kv_ref, safe, valid, cols).astype(dtype) << dtype(8 * b)
+        word = part if word is None else word | part
+    return word
+
+
+def _read_fp8_rows(kv_ref, safe, valid, *, value_groups, words):
+    """"fp8_ds_mla" rows (uint8[656], `pallas_kernels/kv_format.py`), decoded in registers:
+
+    * latent: four [block_k, 128] byte tiles (one per scale group, bytes [128g, 128g + 128)),
+      bitcast to float8_e4m3fn and converted to bfloat16 (exact: every e4m3 value is a bf16
+      value);
+    * scales: bytes [512, 528) as 4 uint32 words per row (`_load_words`), bitcast to float32;
+      scale g is column g of that [block_k, 4] tile, taken out with a masked row sum;
+    * rope: bytes [528, 656) as 64 uint16 words per row, bitcast to bfloat16.
+    The latent loads are contiguous 128-byte runs at 16-byte-aligned offsets (656 = 16 * 41),
+    so they vectorise. The scales are never multiplied into the tiles: group g's scores and
+    the P fed to group g's value product are scaled per row instead (`_attention_kernel`).
+    """
+    latent = [lax.bitcast_convert_type(
+        _masked_load(kv_ref, safe, valid, _cols(g * kvf.GROUP, kvf.GROUP)),
+        jnp.float8_e4m3fn).astype(jnp.bfloat16) for g in range(kvf.NUM_GROUPS)]
+    scale_tile = lax.bitcast_convert_type(
+        _load_words(kv_ref, safe, valid, kvf.SCALE_OFFSET, kvf.NUM_GROUPS, 4, jnp.uint32,
+                    words), jnp.float32)                                 # [block_k, 4]
+    group = jnp.arange(kvf.NUM_GROUPS, dtype=jnp.int32)[None, :]
+    scales = [jnp.sum(jnp.where(group == g, scale_tile, 0.0), axis=1)
+              for g in range(kvf.NUM_GROUPS)]
+    rope = lax.bitcast_convert_type(
+        _load_words(kv_ref, safe, valid, kvf.ROPE_OFFSET, kvf.ROPE_DIM, 2, jnp.uint16, words),
+        jnp.bfloat16)                                                    # [block_k, 64]
+    values = [(latent[g], scales[g]) for g in range(value_groups)]
+    return [*latent, rope], [*scales, None], values
+
+
+def _q_pieces(width: int, v_width: int, kv_format: str) -> tuple[tuple[int, int], ...]:
+    """(start, size) column pieces of q, one per key tile of the format's reader."""
+    if kv_format == kvf.FP8_DS_MLA:
+        return (*((g * kvf.GROUP, kvf.GROUP) for g in range(kvf.NUM_GROUPS)),
+                (kvf.LATENT_DIM, kvf.ROPE_DIM))
+    return _row_pieces(width, v_width)
+
+
+def _value_pieces(v_width: int, kv_format: str) -> tuple[tuple[int, int], ...]:
+    """(output column, size) of each value tile of the format's reader."""
+    if kv_format == kvf.FP8_DS_MLA:
+        return tuple((g * kvf.GROUP, kvf.GROUP) for g in range(v_width // kvf.GROUP))
+    return ((0, v_width),)
+
+
 def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, block_k, steps,
-                      pieces, scale2, prefetch_ids):
-    """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, D],
-    rows_ref [T, Kp] (Kp = splits * steps * block_k, -1 padded); writes out_ref
-    [T, S, Hp, v] (normalised within the split) and lse_ref [T, S, Hp] (base 2)."""
+                      q_pieces, v_pieces, read, scale2, prefetch_ids):
+    """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, row]
+    (row = D values, or 656 bytes), rows_ref [T, Kp] (Kp = splits * steps * block_k, -1
+    padded); `read` is `_read_float_rows` or `_read_fp8_rows` with its knobs bound, q_pieces
+    the (start, size) q columns of its key tiles, v_pieces the (column, size) output columns
+    of its value tiles. Writes out_ref [T, S, Hp, v] (normalised within the split) and
+    lse_ref [T, S, Hp] (base 2)."""
     hb, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = (hb * block_h + jnp.arange(block_h, dtype=jnp.int32))[:, None]
-    cols = [(start + jnp.arange(size, dtype=jnp.int32))[None, :] for start, size in pieces]
-    q_pieces = [plgpu.load(q_ref.at[t, heads, c]) for c in cols]
-    v_width = pieces[0][1]
+    qs = [plgpu.load(q_ref.at[t, heads, _cols(start, size)]) for start, size in q_pieces]
     dims = (((1,), (1,)), ((), ()))          # contract the column dims: q k^T
 
     def load_ids(i):
@@ -139,47 +277,47 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
             # The ids of step i came with step i - 1 (loop carry): the K-tile gather's
             # addresses are ready at the top of the step, and the load of the next step's ids
             # is issued before it (the last step reloads its own ids, harmlessly).
-            acc, m_i, l_i, ids = carry
+            accs, m_i, l_i, ids = carry
             ids_next = load_ids(jnp.minimum(i + 1, steps - 1))
         else:
-            acc, m_i, l_i = carry
+            accs, m_i, l_i = carry
             ids = load_ids(i)
         valid = ids >= 0
         safe = jnp.where(valid, ids, 0)[:, None]
+        keys, key_scales, values = read(kv_ref, safe, valid)
         scores = None
-        k_value = None
-        for qp, c, (_, size) in zip(q_pieces, cols, pieces, strict=True):
-            kp = plgpu.load(kv_ref.at[safe, c],
-                            mask=jnp.broadcast_to(valid[:, None], (block_k, size)), other=0)
-            if k_value is None:
-                k_value = kp
+        for qp, kp, ks in zip(qs, keys, key_scales, strict=True):
             part = lax.dot_general(qp, kp, dims, preferred_element_type=jnp.float32)
+            if ks is not None:
+                part = part * ks[None, :]
             scores = part if scores is None else scores + part
         scores = jnp.where(valid[None, :], scores * scale2, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(scores, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(k_value.dtype), k_value, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32)
+        accs = tuple(
+            acc * alpha[:, None] + lax.dot_general(
+                (p if vs is None else p * vs[None, :]).astype(tile.dtype), tile,
+                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            for acc, (tile, vs) in zip(accs, values, strict=True))
         if prefetch_ids:
-            return acc, m_new, l_i, ids_next
-        return acc, m_new, l_i
+            return accs, m_new, l_i, ids_next
+        return accs, m_new, l_i
 
-    carry = (jnp.zeros((block_h, v_width), jnp.float32),
+    carry = (tuple(jnp.zeros((block_h, size), jnp.float32) for _, size in v_pieces),
              jnp.full((block_h,), M_INIT, jnp.float32),
              jnp.zeros((block_h,), jnp.float32))
     if prefetch_ids:
         carry = (*carry, load_ids(0))
-    acc, m_i, l_i = lax.fori_loop(0, steps, step, carry)[:3]
+    accs, m_i, l_i = lax.fori_loop(0, steps, step, carry)[:3]
     # l_i is 0 exactly when the split has no valid entry (then acc = 0: out 0, lse -inf); a
     # NaN score (NaN query) makes l_i NaN, which both formulas pass on (no max() that might
     # drop a NaN: out NaN, lse NaN).
     empty = l_i == 0.0
-    out = acc / jnp.where(empty, 1.0, l_i)[:, None]
-    vcols = jnp.arange(v_width, dtype=jnp.int32)[None, :]
-    plgpu.store(out_ref.at[t, s, heads, vcols], out.astype(out_ref.dtype))
+    inv = jnp.where(empty, 1.0, l_i)[:, None]
+    for acc, (col, size) in zip(accs, v_pieces, strict=True):
+        plgpu.store(out_ref.at[t, s, heads, _cols(col, size)], (acc / inv).astype(out_ref.dtype))
     lse2 = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
     plgpu.store(lse_ref.at[t, s, heads[:, 0]], lse2)
 
@@ -197,7 +335,8 @@ def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> i
 
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format", "interpret",
+                                             "tuning"))
 def sparse_mla_decode(
     q: jax.Array,
     kv_rows: jax.Array,
@@ -205,10 +344,12 @@ def sparse_mla_decode(
     *,
     sm_scale: float,
     v_width: int = 512,
+    kv_format: str = kvf.BF16,
     interpret: bool = False,
     tuning: AttentionTuning | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype,
+    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype
+    ("bf16") or q [T, h_q, 576] bf16 with kv_rows uint8 [R, 656] ("fp8_ds_mla"),
     attention_rows int32 [T, K] (-1 = masked).
 
     Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
@@ -217,10 +358,14 @@ def sparse_mla_decode(
     cfg = tuning or DEFAULT
     num_rows, h_q, width = q.shape
     top_k = attention_rows.shape[1]
-    reason = supports(q, kv_rows, v_width=v_width)
+    reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format)
     if reason is not None:
         raise ValueError(reason)
-    pieces = _row_pieces(width, v_width)
+    if kv_format == kvf.FP8_DS_MLA:
+        read = functools.partial(_read_fp8_rows, value_groups=v_width // kvf.GROUP,
+                                 words=cfg.fp8_words)
+    else:
+        read = functools.partial(_read_float_rows, pieces=_row_pieces(width, v_width))
     block_h = cfg.block_h or min(64, max(16, _triton.pow2_ceil(h_q)))
     num_warps = cfg.num_warps or (8 if block_h >= 64 else 4)
     bk = cfg.block_k
@@ -231,8 +376,9 @@ def sparse_mla_decode(
     steps = pl.cdiv(num_chunks, splits)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, splits * steps * bk)
     kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
-                               pieces=pieces, scale2=float(sm_scale) * LOG2E,
-                               prefetch_ids=cfg.prefetch_ids)
+                               q_pieces=_q_pieces(width, v_width, kv_format),
+                               v_pieces=_value_pieces(v_width, kv_format), read=read,
+                               scale2=float(sm_scale) * LOG2E, prefetch_ids=cfg.prefetch_ids)
 
     def call(q_pad, kv_rows, rows):
         return tuple(pl.pallas_call(

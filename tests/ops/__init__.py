@@ -55,6 +55,26 @@ def random_rows(rng, shape, dtype=jnp.bfloat16):
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 
 
+def random_bytes(rng, shape) -> np.ndarray:
+    """uint8 rows of random bytes (fp8_ds_mla rows to the copies: any byte pattern)."""
+    return rng.integers(0, 256, size=shape, dtype=np.uint8)
+
+
+def np_dequantize_fp8(rows) -> np.ndarray:
+    """fp8_ds_mla rows uint8 [..., 656] -> float64 [..., 576], written from the layout in
+    `docs/kv_format.md` with numpy views only (independent of `pallas_kernels.kv_format`):
+    bytes [0, 512) float8_e4m3fn, [512, 528) 4 little-endian float32 scales (one per 128
+    values), [528, 656) 64 little-endian bfloat16 rope values."""
+    rows = np.ascontiguousarray(np.asarray(rows, np.uint8))
+    lead = rows.shape[:-1]
+    assert rows.shape[-1] == 656, rows.shape
+    fp8 = rows[..., :512].copy().view(jnp.float8_e4m3fn).astype(np.float64)
+    scale = rows[..., 512:528].copy().view("<f4").astype(np.float64)          # [..., 4]
+    latent = (fp8.reshape(*lead, 4, 128) * scale[..., None]).reshape(*lead, 512)
+    rope = rows[..., 528:656].copy().view("<u2").view(jnp.bfloat16).astype(np.float64)
+    return np.concatenate([latent, rope], axis=-1)
+
+
 def sds(shape, dtype=jnp.int32):
     return jax.ShapeDtypeStruct(shape, dtype)
 

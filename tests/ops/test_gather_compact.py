@@ -1,6 +1,6 @@
 """gather_compact and gather_compact_group: every backend against the numpy oracle (poisoned
-caches, odd widths, both pool layouts), validation, the kernel's CUDA lowering and the
-GPU-scale runs."""
+caches, odd widths, both pool layouts; 576-wide bf16 rows and 656-byte fp8_ds_mla rows as
+uint8), validation, the kernel's CUDA lowering and the GPU-scale runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import hisparse_jax as hs
 from hisparse_jax.ops import gather_compact_group
+from pallas_kernels import kv_format as kvf
 from pallas_kernels._triton import CopyTuning, row_pieces
 from pallas_kernels.gather_compact import reference
 from pallas_kernels.gather_compact import triton as tk
@@ -22,6 +23,7 @@ from tests.ops import (
     bits,
     examples,
     lower_for_cuda,
+    random_bytes,
     random_rows,
     sds,
     to_host,
@@ -103,6 +105,46 @@ def test_bf16_rows_poisoned_cache(backend, pool_blocks, seed):
     np.testing.assert_array_equal(bits(got), bits(ref))
 
 
+FP8_ROW = kvf.FP8_ROW_BYTES          # 656 bytes: fp8_ds_mla rows move as uint8 rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pool_blocks", [False, True], ids=["pool2d", "pool3d"])
+def test_fp8_rows_poisoned_cache(backend, pool_blocks):
+    """656-byte rows (uint8: fp8_ds_mla's format, random bytes, any pattern) from a pinned
+    pool into a cache of random bytes that must survive bit for bit."""
+    rng = np.random.default_rng(21 + pool_blocks)
+    n, k, block, num_blocks, host_rows = 3, 8, 4, 8, 48
+    pool_np = random_bytes(rng, (host_rows, FP8_ROW))
+    cache_np = random_bytes(rng, (num_blocks, block, FP8_ROW))
+    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
+    want = oracle_gather(pool_np, cache_np, src, dst, counts)
+    pool = to_host(pool_np.reshape(host_rows // block, block, FP8_ROW) if pool_blocks
+                   else pool_np)
+    got = hs.gather_compact(pool, jnp.asarray(cache_np), jnp.asarray(src), jnp.asarray(dst),
+                            jnp.asarray(counts), backend=backend)
+    assert got.dtype == jnp.uint8 and got.shape == cache_np.shape
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_rows_group_gather(backend):
+    """One plan into every layer's 656-byte rows (one launch), quantized rows included:
+    the copies are exact bytes, so the rows dequantize to the same values."""
+    rng = np.random.default_rng(22)
+    n, k, block, num_blocks, host_rows, layers = 2, 8, 4, 8, 48, 2
+    pools = [np.asarray(kvf.quantize(jnp.asarray(rng.standard_normal((host_rows, 576)),
+                                                 jnp.float32))) for _ in range(layers)]
+    caches = [random_bytes(rng, (num_blocks, block, FP8_ROW)) for _ in range(layers)]
+    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
+    got = gather_compact_group([to_host(p) for p in pools], [jnp.asarray(c) for c in caches],
+                               jnp.asarray(src), jnp.asarray(dst), jnp.asarray(counts),
+                               backend=backend)
+    for pool, cache, out in zip(pools, caches, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(out),
+                                      oracle_gather(pool, cache, src, dst, counts))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_accepts_paged_pool_and_zero_fills_past_pool(backend, pinned_host):
     rng = np.random.default_rng(1)
@@ -121,18 +163,27 @@ def test_accepts_paged_pool_and_zero_fills_past_pool(backend, pinned_host):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_restore_rows_is_one_packed_batch_row(backend, pinned_host):
-    """restore_rows: live entries packed at the front, -1 padding ignored."""
+@pytest.mark.parametrize("row", ["f32", "fp8"])
+def test_restore_rows_is_one_packed_batch_row(backend, row, pinned_host):
+    """restore_rows: live entries packed at the front, -1 padding ignored (float32 rows of
+    16, and 656-byte fp8_ds_mla rows of random bytes)."""
     rng = np.random.default_rng(2)
-    pool_np, pool = make_pool(rng, 20, pinned_host)
-    cache_np = rng.standard_normal((3, 4, W)).astype(np.float32)
+    if row == "fp8":
+        width = FP8_ROW
+        pool_np = random_bytes(rng, (20, width))
+        pool = jax.device_put(pool_np, pinned_host)
+        cache_np = random_bytes(rng, (3, 4, width))
+    else:
+        width = W
+        pool_np, pool = make_pool(rng, 20, pinned_host)
+        cache_np = rng.standard_normal((3, 4, W)).astype(np.float32)
     host_rows = jnp.array([4, 17, 0, -1, -1], jnp.int32)
     device_rows = jnp.array([11, 2, 5, -1, -1], jnp.int32)
     got = hs.ops.restore_rows(pool, jnp.asarray(cache_np), host_rows, device_rows,
                               backend=backend)
-    want = cache_np.reshape(-1, W).copy()
+    want = cache_np.reshape(-1, width).copy()
     want[[11, 2, 5]] = pool_np[[4, 17, 0]]
-    np.testing.assert_array_equal(np.asarray(got).reshape(-1, W), want)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1, width), want)
 
 
 # --------------------------------------------------------------------------- index group
@@ -226,6 +277,7 @@ def test_pinned_host_placement_on_this_device(pinned_host):
 
 def test_row_pieces_are_powers_of_two():
     assert row_pieces(576, 512) == ((0, 512), (512, 64))
+    assert row_pieces(656, 512) == ((0, 512), (512, 128), (640, 16))       # fp8_ds_mla rows
     for width in (1, 8, 100, 576, 2048, 4097):
         pieces = row_pieces(width, 512)
         assert sum(size for _, size in pieces) == width
@@ -247,9 +299,14 @@ def test_kernel_odd_width_and_many_programs():
 
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")
-@pytest.mark.parametrize("pool_shape", [(1 << 14, 576), (1 << 12, 4, 576)])
-def test_kernel_lowers_to_triton(pool_shape):
-    pool, cache = sds(pool_shape, jnp.bfloat16), sds((512, 64, 576), jnp.bfloat16)
+@pytest.mark.parametrize("pool_shape, cache_shape, dtype", [
+    ((1 << 14, 576), (512, 64, 576), jnp.bfloat16),
+    ((1 << 12, 4, 576), (512, 64, 576), jnp.bfloat16),
+    ((1 << 16, 656), (1024, 64, 656), jnp.uint8),       # fp8_ds_mla rows: 512 + 128 + 16 B
+    ((1 << 12, 64, 656), (1024, 64, 656), jnp.uint8),
+], ids=["bf16-pool2d", "bf16-pool3d", "fp8-pool2d", "fp8-pool3d"])
+def test_kernel_lowers_to_triton(pool_shape, cache_shape, dtype):
+    pool, cache = sds(pool_shape, dtype), sds(cache_shape, dtype)
     text = lower_for_cuda(tk.gather_compact, pool, cache, sds((64, 2048)), sds((64, 2048)),
                           sds((64,)))
     assert "output_operand_aliases" in text
@@ -262,11 +319,16 @@ def test_kernel_lowers_to_triton(pool_shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2048, 16384])
-def test_gpu_gather_from_pinned_pool(rows):
+@pytest.mark.parametrize("row", ["bf16", "fp8"])
+def test_gpu_gather_from_pinned_pool(rows, row):
+    """bf16 rows (576 wide) or fp8_ds_mla rows (656 random bytes) from a pinned pool of
+    131,072 rows, default backend (triton), exact; for fp8 rows also the same plan through
+    the 8-layer group gather (one launch)."""
     rng = np.random.default_rng(rows)
-    width, block, num_blocks, host_rows = 576, 64, 1024, 1 << 17
-    pool_np = random_rows(rng, (host_rows // block, block, width))
-    cache_np = random_rows(rng, (num_blocks, block, width))
+    width, make_rows = {"bf16": (576, random_rows), "fp8": (FP8_ROW, random_bytes)}[row]
+    block, num_blocks, host_rows = 64, 1024, 1 << 17
+    pool_np = make_rows(rng, (host_rows // block, block, width))
+    cache_np = make_rows(rng, (num_blocks, block, width))
     n = rows // 2048
     src = rng.choice(host_rows + 64, size=(n, 2048), replace=False).astype(np.int32)
     dst = rng.permutation(num_blocks * block)[: n * 2048].reshape(n, 2048).astype(np.int32)
@@ -276,6 +338,11 @@ def test_gpu_gather_from_pinned_pool(rows):
     got = hs.gather_compact(pool, jnp.asarray(cache_np), jnp.asarray(src), jnp.asarray(dst),
                             jnp.asarray(counts))                 # default backend: triton
     np.testing.assert_array_equal(bits(got), bits(want))
+    if row == "fp8":
+        group = gather_compact_group([pool] * 8, [jnp.asarray(cache_np) for _ in range(8)],
+                                     jnp.asarray(src), jnp.asarray(dst), jnp.asarray(counts))
+        for out in group:
+            np.testing.assert_array_equal(np.asarray(out), want)
 
 
 @pytest.mark.gpu

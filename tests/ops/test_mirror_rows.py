@@ -1,6 +1,6 @@
 """mirror_rows: every backend against numpy (pool kept in pinned_host memory, donated, both
-layouts, random rows that must survive), validation, the kernel's CUDA lowering and the
-GPU-scale run."""
+layouts, random rows that must survive; bf16 rows and 656-byte fp8_ds_mla rows as uint8),
+validation, the kernel's CUDA lowering and the GPU-scale runs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ from hypothesis import strategies as st
 
 import hisparse_jax as hs
 from pallas_kernels.mirror_rows import triton as tk
-from tests.ops import backends, bits, examples, lower_for_cuda, random_rows, sds, to_host
+from tests.ops import (
+    backends,
+    bits,
+    examples,
+    lower_for_cuda,
+    random_bytes,
+    random_rows,
+    sds,
+    to_host,
+)
 
 BACKENDS = backends("mirror_rows")
 W = 16
@@ -40,15 +49,22 @@ def test_matches_numpy(backend, seed, pinned_host):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+ROWS = {"bf16": (576, random_rows), "fp8": (656, random_bytes)}   # fp8_ds_mla rows: uint8
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pool_blocks", [False, True], ids=["pool2d", "pool3d"])
+@pytest.mark.parametrize("row", list(ROWS))
 @settings(max_examples=examples(0.15))
 @given(seed=st.integers(0, 2**32 - 1))
-def test_bf16_rows_both_pool_layouts(backend, pool_blocks, seed):
+def test_rows_both_pool_layouts(backend, pool_blocks, row, seed):
+    """576-wide bf16 rows and 656-byte fp8_ds_mla rows (random bytes) into a pinned pool of
+    random rows that must survive bit for bit; the pool stays pinned_host and is donated."""
     rng = np.random.default_rng(seed)
-    block, width, num_blocks, host_rows, r = 4, 576, 8, 48, 12
-    pool_np = random_rows(rng, (host_rows, width))
-    cache_np = random_rows(rng, (num_blocks, block, width))
+    width, make_rows = ROWS[row]
+    block, num_blocks, host_rows, r = 4, 8, 48, 12
+    pool_np = make_rows(rng, (host_rows, width))
+    cache_np = make_rows(rng, (num_blocks, block, width))
     device_rows = rng.integers(-2, num_blocks * block + 3, size=r).astype(np.int32)
     dest = (rng.permutation(host_rows + 6)[:r] - 3).astype(np.int32)
     want = pool_np.copy()
@@ -60,8 +76,9 @@ def test_bf16_rows_both_pool_layouts(backend, pool_blocks, seed):
     pool = to_host(pool_np.reshape(shape))
     got = hs.mirror_rows(jnp.asarray(cache_np), pool, jnp.asarray(device_rows),
                          jnp.asarray(dest), backend=backend)
+    assert pool.is_deleted(), "the pool was not donated"
     assert got.sharding.memory_kind == "pinned_host"
-    assert got.shape == shape
+    assert got.shape == shape and got.dtype == pool_np.dtype
     np.testing.assert_array_equal(bits(got).reshape(-1, width), bits(want))
 
 
@@ -85,18 +102,25 @@ def test_validation_errors(pinned_host):
 
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")
-@pytest.mark.parametrize("pool_shape", [(1 << 14, 576), (1 << 12, 4, 576)])
-def test_kernel_lowers_to_triton(pool_shape):
-    pool, cache = sds(pool_shape, jnp.bfloat16), sds((512, 64, 576), jnp.bfloat16)
+@pytest.mark.parametrize("pool_shape, dtype", [
+    ((1 << 14, 576), jnp.bfloat16), ((1 << 12, 4, 576), jnp.bfloat16),
+    ((1 << 16, 656), jnp.uint8), ((1 << 12, 64, 656), jnp.uint8),        # fp8_ds_mla rows
+], ids=["bf16-pool2d", "bf16-pool3d", "fp8-pool2d", "fp8-pool3d"])
+def test_kernel_lowers_to_triton(pool_shape, dtype):
+    pool, cache = sds(pool_shape, dtype), sds((512, 64, pool_shape[-1]), dtype)
     lower_for_cuda(tk.mirror_rows, cache, pool, sds((3000,)), sds((3000,)))
 
 
 @pytest.mark.gpu
-def test_gpu_mirror_into_pinned_pool_in_place():
+@pytest.mark.parametrize("row", list(ROWS))
+def test_gpu_mirror_into_pinned_pool_in_place(row):
+    """4,096 rows (bf16 576-wide, or fp8_ds_mla 656 bytes) into a pinned pool of 131,072,
+    default backend (triton), in place."""
     rng = np.random.default_rng(2)
-    width, block, num_blocks, host_blocks = 576, 64, 256, 2048
-    pool_np = random_rows(rng, (host_blocks, block, width))
-    cache_np = random_rows(rng, (num_blocks, block, width))
+    width, make_rows = ROWS[row]
+    block, num_blocks, host_blocks = 64, 256, 2048
+    pool_np = make_rows(rng, (host_blocks, block, width))
+    cache_np = make_rows(rng, (num_blocks, block, width))
     device_rows = rng.permutation(num_blocks * block)[:4096].astype(np.int32)
     dest = rng.permutation(host_blocks * block)[:4096].astype(np.int32)
     pool = to_host(pool_np)

@@ -78,6 +78,26 @@ def test_explicit_unsupported_backend_errors_with_the_reason():
         _registry.select("mirror_rows", "mosaic_gpu")
 
 
+def _fp8_args():
+    return (jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 656), jnp.uint8), jax.ShapeDtypeStruct((2, 8), jnp.int32))
+
+
+def test_fp8_rows_run_on_reference_and_triton_only():
+    """kv_format reaches every backend's supports(): fp8_ds_mla rows on the reference and the
+    Triton kernel; the Mosaic GPU kernel refuses them with its reason (or, where this jax
+    cannot import it, that reason); None picks the Triton kernel on a GPU."""
+    kw = {"kv_format": "fp8_ds_mla"}
+    assert _registry.select("sparse_mla_decode", "reference", *_fp8_args(), **kw) == "reference"
+    assert _registry.select("sparse_mla_decode", "triton", *_fp8_args(), **kw) == "triton"
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run these inputs"):
+        _registry.select("sparse_mla_decode", "mosaic_gpu", *_fp8_args(), **kw)
+    want = "triton" if ON_GPU else "reference"
+    assert _registry.select("sparse_mla_decode", None, *_fp8_args(), **kw) == want
+    f16 = (jax.ShapeDtypeStruct((2, 16, 576), jnp.float16), *_fp8_args()[1:])
+    assert _registry.select("sparse_mla_decode", None, *f16, **kw) == "reference"
+
+
 def test_explicit_supported_backend_is_kept():
     assert _registry.select("sparse_mla_decode", "triton", *_attention_args()) == "triton"
     assert _registry.select("sparse_mla_decode", "reference",

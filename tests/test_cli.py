@@ -178,10 +178,11 @@ def test_engine_refusal_is_one_line_naming_the_flag(refuse_at, flag, monkeypatch
 
 
 def test_engine_refusal_prints_no_traceback():
-    """The real engine refuses a one-block host pool: one line, exit 2, in a fresh process."""
+    """The real engine refuses a host pool too small for the prompts (EngineConfig accepts
+    two blocks, add_request raises CapacityError): one line, exit 2, in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "decode.py"),
-                           "--host-blocks", "1"], capture_output=True, text=True, env=env,
+                           "--host-blocks", "2"], capture_output=True, text=True, env=env,
                           timeout=600, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

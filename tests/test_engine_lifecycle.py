@@ -347,3 +347,17 @@ def test_a_failing_spill_copy_is_retried_and_loses_nothing(engine, reference, mo
     _, raised = _drain(engine)
     assert not raised and transfers.mirror_fn.fired  # the worker reports the copy failed
     assert_matches_reference(engine, reference, rids)
+
+
+def test_readme_request_example_runs_as_documented():
+    """The README's request example (warm-up, add, cancel, run) does what its text says."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = text.split("### Requests, finish reasons, cancel", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code.replace("print(", "_ = ("), "README.md", "exec"), namespace)
+    done, rid = namespace["done"], namespace["rid"]
+    assert done[rid].finish_reason == "cancelled" and done[rid].generated == []
+    assert done[rid].error is None

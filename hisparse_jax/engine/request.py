@@ -20,13 +20,14 @@ class Request:
 
     `seat` is its state row while it runs (batch row `seat` of the decode step serves it),
     -1 before admission. `live`: how many of `generated` the current admission has produced
-    (a fresh admission prefills the prompt, so 0 at admission); while live <
-    len(generated) the request replays its known tokens after a preemption (`replaying`). `index` is its add_request order (it seeds the top-k source and the
-    synthetic prefill rows); `seed` picks its sampling keys (the key of its i-th sampled token
-    is a function of (EngineConfig.seed, seed, i); by default seed = index). `max_new_tokens`
-    None: generate until max_model_len tokens. `finish_reason` is one of `FINISH_REASONS` once
-    it finished; `error` the message when it is "error". `attention` holds per-layer
-    attention outputs per generated token when `EngineConfig.collect_attention` is set.
+    (a fresh admission prefills the prompt, so 0 at admission); while live < len(generated)
+    the request replays its known tokens after a preemption (`replaying`). `index` is its
+    add_request order (it seeds the top-k source and the synthetic prefill rows); `seed`
+    picks its sampling keys (the key of its i-th sampled token is a function of
+    (EngineConfig.seed, seed, i); by default seed = index). `max_new_tokens` None: generate
+    until max_model_len tokens. `finish_reason` is one of `FINISH_REASONS` once it finished;
+    `error` the message when it is "error". `attention` holds per-layer attention outputs
+    per generated token when `EngineConfig.collect_attention` is set.
     """
 
     request_id: Hashable

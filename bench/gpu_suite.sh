@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call on the GPU machine (one H200, jax 0.11.2).
 #   bash bench/gpu_suite.sh [step ...]
-# steps: env tests decode ops (default), engine_gpu e2e_smoke e2e (the end-to-end decode
+# steps: env tests decode ops (default), startup (cold and warm start of the GPU example),
+#        engine_gpu e2e_smoke e2e (the end-to-end decode
 #        benchmark, about 8 minutes), e2e_compare (HiSparse and all-resident at 1 and 256
 #        requests, for the code in .baseline/ when present and then for this tree, in one call:
 #        a before/after comparison on the same machine), or one op benchmark:
@@ -52,6 +53,8 @@ run_step() {  # name, time limit in s, command...
           run_step e2e_before 280 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.e2e_decode ${cmp_args[*]} --output $OUT/e2e_before.json"
         fi
         run_step e2e_after 280 python3 -m bench.e2e_decode "${cmp_args[@]}" --output "${E2E_COMPARE_OUT:-bench/results/e2e_decode-compare-gpu.json}" ;;
+      # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
+      startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       engine_gpu) run_step engine_gpu 250 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;

@@ -21,6 +21,7 @@ the engine refuses, prints one line naming the flag and the rule and exits with 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use jax's persistent compilation cache (default: on, under "
                         "~/.cache/hisparse_jax/jax; HISPARSE_JAX_COMPILATION_CACHE=0 also "
                         "turns it off, or names another directory)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the flags, each mode's summary and --check's verdict to "
+                        "PATH as JSON")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip Engine.warmup (the first steps of each new shape then compile "
                         "while serving; their time is reported as compile time)")
@@ -354,6 +358,16 @@ def print_summary(engines: list[Engine]) -> None:
     print(line)
 
 
+def write_json(args: argparse.Namespace, engines: list[Engine], same: bool | None) -> None:
+    """--json: the flags, each mode's summary (`Engine.summary`) and --check's verdict."""
+    record = {"args": vars(args), "backend": jax.default_backend(),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "summaries": [e.summary() for e in engines], "tokens_identical": same}
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -387,12 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         first = next(iter(engines[0].finished.values()))
         print(f"request {first.request_id}: prompt[-8:] {list(first.prompt[-8:])} -> generated "
               f"{first.generated[:16]}{' ...' if len(first.generated) > 16 else ''}")
+        same = None
         if len(engines) == 2:
             line, same = compare_tokens(engines[0].finished, engines[1].finished,
                                         temperature=args.temperature, seed=args.seed)
             print(line)
-            return 0 if same else 1
-        return 0
+        if args.json is not None:
+            write_json(args, engines, same)
+        return 1 if same is False else 0
     finally:
         for e in engines:
             e.close()

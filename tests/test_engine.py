@@ -18,6 +18,7 @@ from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
 from pallas_kernels._compat import jit_cache_size
+from tests.engine_runs import run_prompts
 
 MAX_LEN = 96
 PROMPTS = [np.random.default_rng(i).integers(0, 512, 40 + 5 * i).tolist() for i in range(6)]
@@ -33,11 +34,7 @@ def _run(**overrides):
     kw = dict(max_seats=4, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
               collect_attention=True, max_traces=1)
     kw.update(overrides)
-    chex.clear_trace_counter()  # chex counts per definition site, across engines
-    engine = Engine(tiny_model(), EngineConfig(**kw))
-    ids = [engine.add_request(p, max_new_tokens=GEN) for p in PROMPTS]
-    out = engine.run()
-    return engine, [out[i] for i in ids]
+    return run_prompts(tiny_model(), PROMPTS, max_new_tokens=GEN, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,18 @@ def test_fp8_engine_config_errors():
             Engine(model(), ec, host_pool=pool)
 
 
+def test_fp8_example_check_passes(capsys):
+    from examples import decode
+
+    rc = decode.main(["--config", "tiny576", "--kv-format", FP8, "--check", "--requests", "3",
+                      "--prompt-len", "24", "--gen-len", "8", "--max-model-len", "40",
+                      "--prefill-bucket", "40"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "KV rows fp8_ds_mla (656 B)" in text and "fp8_ds_mla (656 B)" in text
+    assert "greedy tokens identical to all-resident: True" in text
+
+
 # --------------------------------------------------------------------------- accuracy
 
 

@@ -73,7 +73,7 @@ def test_e2e_benchmark_compares_kv_row_formats(tmp_path):
                                 / runs[("fp8_ds_mla", "all-resident")]["decode_tokens_per_s"])
     assert ratios["hisparse_over_all_resident"] == ratios["by_kv_format"]["bf16"][
         "hisparse_over_all_resident"]
-    print("\nrows/step bf16 %.1f fp8 %.1f" % (hs16["rows_h2d_per_step"], hs8["rows_h2d_per_step"]))
+    print(f"\nrows/step bf16 {hs16['rows_h2d_per_step']:.1f} fp8 {hs8['rows_h2d_per_step']:.1f}")
 
 
 def test_e2e_plot_draws_both_panels(tmp_path):

@@ -24,10 +24,18 @@ jitted decode, sampling; wall clock). Reported: decode tokens/s, inter-token lat
 the measured window (should be 0), memory. Results go to `bench/results/e2e_decode-<backend>.json`
 (written after every run) and a PNG plot (`--plot`, matplotlib).
 
+`--kv-format bf16,fp8_ds_mla` runs every group once per KV row format (`docs/kv_format.md`;
+one pinned pool per format, the same GPU KV budget in blocks), records each run's row bytes,
+bytes host -> device per step and host pool bytes per request, and adds the ratios fp8 / bf16
+(tokens/s, bytes per step) and, per format, HiSparse / all-resident; the record then goes to
+`e2e_decode-<backend>-<formats>.json`.
+
     python3 -m bench.e2e_decode                                   # the full sweep (GPU)
     python3 -m bench.e2e_decode --config tiny --context 2048 --concurrency 1,4 \\
         --block-size 16 --measure-steps 8                         # a CPU smoke run
     python3 -m bench.e2e_decode --plot-only bench/results/e2e_decode-gpu.json
+    python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident \\
+        --concurrency 1,64,256 --turnover-sweep ""                # fp8 against bf16 rows (GPU)
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
 from host_tier.sizes import cdiv  # noqa: E402
+from pallas_kernels import kv_format as kvf  # noqa: E402
 
 MODES = ("all-resident", "naive-offload", "hisparse")
 
@@ -89,7 +98,8 @@ class Skip(Exception):
 
 
 def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
-                mode: str, concurrency: int, source: Any, pool: Any) -> Engine:
+                mode: str, concurrency: int, source: Any, pool: Any,
+                kv_format: str = kvf.BF16) -> Engine:
     seats = (min(concurrency, sizes["all_resident_cap"]) if mode == "all-resident"
              else concurrency)
     if seats < 1:
@@ -99,7 +109,8 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         hot_size=None if mode == "naive-offload" else args.hot_size,
         num_gpu_blocks=None if mode == "all-resident" else sizes["gpu_blocks"],
         all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
-        topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0)
+        topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
+        kv_format=kv_format)
     engine = Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
     rng = np.random.default_rng(0)
     for _ in range(concurrency):
@@ -173,6 +184,8 @@ class Window:
         steps = max(self.decode_steps, 1)
         s = e.summary()
         return {
+            "kv_format": e.config.kv_format,
+            "row_bytes": e.row_bytes,
             "seats": e.config.max_seats,
             "decode_tokens_per_s": float(np.sum(self.tokens) / t.sum()),
             "itl_ms_p50": float(1e3 * np.percentile(t, 50)),
@@ -191,12 +204,13 @@ class Window:
             "device_bytes": s["device_bytes"],
             "device_allocator_bytes": s["device_allocator_bytes"],
             "host_pool_bytes": s["host_bytes"],
+            "host_pool_bytes_per_request": s["host_bytes_per_request"],
         }
 
 
 def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
               modes: list[str], concurrency: int, turnover: float, pool: Any,
-              counter: CompileCounter) -> list[dict[str, Any]]:
+              counter: CompileCounter, kv_format: str = kvf.BF16) -> list[dict[str, Any]]:
     """One concurrency and turnover. Naive offload runs alone; HiSparse and all-resident
     (when both are asked for) are alive together and measured in alternating blocks, so
     clock and host drift hit both alike. Host-tier engines run one at a time on `pool`."""
@@ -213,7 +227,8 @@ def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, 
                           else DriftTopK(turnover=turnover, seed=1))
                 t0 = time.perf_counter()
                 engines[mode] = make_engine(model, args, sizes, mode=mode,
-                                            concurrency=concurrency, source=source, pool=pool)
+                                            concurrency=concurrency, source=source, pool=pool,
+                                            kv_format=kv_format)
                 info[mode] = {"setup_seconds": time.perf_counter() - t0,
                               **ramp(engines[mode], args)}
             windows = {mode: Window(e) for mode, e in engines.items()}
@@ -232,7 +247,7 @@ def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, 
                             "group_seconds": time.perf_counter() - t_group})
         except Skip as e:
             out += [{"mode": m, "concurrency": concurrency, "turnover": turnover,
-                     "skipped": str(e)} for m in group]
+                     "kv_format": kv_format, "skipped": str(e)} for m in group]
         finally:
             for e in engines.values():
                 e.close()
@@ -253,7 +268,8 @@ def _groups(args: argparse.Namespace) -> list[tuple[int, float, list[str]]]:
 
 
 def _print(r: dict[str, Any]) -> None:
-    head = f"[e2e] {r['mode']:13s} C={r['concurrency']:4d} turnover={r['turnover']:.2f}:"
+    head = (f"[e2e] {r['mode']:13s} {r.get('kv_format', kvf.BF16):10s} C={r['concurrency']:4d} "
+            f"turnover={r['turnover']:.2f}:")
     if "skipped" in r:
         print(f"{head} skipped ({r['skipped']})", flush=True)
         return
@@ -265,9 +281,47 @@ def _print(r: dict[str, Any]) -> None:
           f"ramp {r['steps_to_steady_state']} steps {r['ramp_seconds']:.1f} s", flush=True)
 
 
-def summarise(results: list[dict[str, Any]], base_turnover: float) -> dict[str, Any]:
-    """Ratios of the targets: HiSparse / all-resident at the lowest and highest concurrency,
-    HiSparse / naive-offload at the base turnover (every concurrency)."""
+def _of_format(results: list[dict[str, Any]], kv_format: str) -> list[dict[str, Any]]:
+    return [r for r in results if r.get("kv_format", kvf.BF16) == kv_format]
+
+
+def summarise(results: list[dict[str, Any]], base_turnover: float,
+              kv_formats: list[str] | None = None) -> dict[str, Any]:
+    """Ratios of the targets. For the first of `kv_formats` (default bf16) at the top level,
+    and for each format under "by_kv_format": HiSparse / all-resident (every concurrency, base
+    turnover), HiSparse / naive-offload. With bf16 and fp8_ds_mla rows both run:
+    "fp8_over_bf16", per concurrency at the base turnover, of HiSparse's tokens/s and bytes
+    host -> device per step."""
+    kv_formats = kv_formats or [kvf.BF16]
+    out = _mode_ratios(_of_format(results, kv_formats[0]), base_turnover)
+    if len(kv_formats) > 1:
+        out["by_kv_format"] = {f: _mode_ratios(_of_format(results, f), base_turnover)
+                               for f in kv_formats}
+    if {kvf.BF16, kvf.FP8_DS_MLA} <= set(kv_formats):
+        out["fp8_over_bf16"] = _format_ratios(results, base_turnover)
+    return out
+
+
+def _format_ratios(results: list[dict[str, Any]], base_turnover: float) -> dict[str, Any]:
+    """fp8_ds_mla / bf16 of HiSparse's tokens/s and bytes per step, per concurrency."""
+    by = {(r.get("kv_format", kvf.BF16), r["concurrency"]): r for r in results
+          if "decode_tokens_per_s" in r and r["mode"] == "hisparse"
+          and r["turnover"] == base_turnover}
+    out: dict[str, Any] = {"hisparse_tokens_per_s": {}, "hisparse_bytes_h2d_per_step": {}}
+    for (f, c), r in sorted(by.items(), key=lambda kv: kv[0][1]):
+        b = by.get((kvf.BF16, c))
+        if f != kvf.FP8_DS_MLA or b is None:
+            continue
+        out["hisparse_tokens_per_s"][c] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+        if b["bytes_h2d_per_step"]:
+            out["hisparse_bytes_h2d_per_step"][c] = (r["bytes_h2d_per_step"]
+                                                     / b["bytes_h2d_per_step"])
+    return out
+
+
+def _mode_ratios(results: list[dict[str, Any]], base_turnover: float) -> dict[str, Any]:
+    """HiSparse / all-resident at the base turnover and HiSparse / naive-offload, per
+    concurrency, over runs of one row format."""
     by = {(r["mode"], r["concurrency"], r["turnover"]): r for r in results
           if "decode_tokens_per_s" in r}
     out: dict[str, Any] = {"hisparse_over_all_resident": {}, "hisparse_over_naive": {}}
@@ -294,6 +348,9 @@ def plot(path_json: Path, path_png: Path, sweep_json: Path | None = None) -> Non
     import matplotlib.pyplot as plt
 
     record = json.loads(Path(path_json).read_text())
+    # One row format per plot: the first the run lists (records before formats: bf16).
+    shown = record["config"].get("kv_formats", [kvf.BF16])[0]
+    record["results"] = _of_format(record["results"], shown)
     base = record["config"]["turnover"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode, style in zip(MODES, ("s--", "^:", "o-"), strict=True):
@@ -345,6 +402,14 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
+def _formats(text: str) -> list[str]:
+    formats = list(dict.fromkeys(x for x in text.split(",") if x))
+    bad = [f for f in formats if f not in kvf.KV_FORMATS]
+    if bad or not formats:
+        raise argparse.ArgumentTypeError(f"must list formats of {kvf.KV_FORMATS}, got {text!r}")
+    return formats
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -359,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="more turnovers, at --turnover-sweep-at concurrency (not all-resident)")
     p.add_argument("--turnover-sweep-at", type=int, default=None, help="default: max concurrency")
     p.add_argument("--trace", default=None, help="replay this top-k trace file instead")
+    p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
+                   help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
+                        "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--hot-size", type=int, default=None, help="default 2 * top_k")
     p.add_argument("--gpu-blocks", type=int, default=None,
@@ -390,42 +458,58 @@ def main(argv: list[str] | None = None) -> int:
     model = nn.init_model(cfg, seed=0)
     counter = CompileCounter()
     name = "e2e_decode"
+    formats = args.kv_format
+    suffix = "" if formats == [kvf.BF16] else "-" + "+".join(formats)
     out_json = (Path(args.output) if args.output
-                else RESULTS_DIR / f"{name}-{jax.default_backend()}.json")
+                else RESULTS_DIR / f"{name}-{jax.default_backend()}{suffix}.json")
     config = {"model": cfg.name, "context": args.context, "gen_budget": args.gen_budget,
               "block_size": args.block_size, "top_k": cfg.top_k,
               "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
               "topk_source": f"trace {args.trace}" if args.trace else "drift model",
               "prefill": "synthetic (random KV rows written straight into the caches)",
               "warmup_steps": args.warmup_steps, "measure_steps": args.measure_steps,
-              "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0], **sizes}
+              "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0],
+              "kv_formats": formats, **sizes}
     results: list[dict[str, Any]] = []
     print(f"[e2e] {cfg.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
-    # One pinned pool for every host-tier engine (they run one at a time): pinning and
-    # unpinning tens of GiB per run would cost more than the runs, and a pool freed while
-    # the next engine runs stalls it.
-    pool = None
-    if any(m != "all-resident" for m in args.modes):
-        pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
-                        row_width=cfg.row_width, dtype=cfg.kv_dtype,
-                        num_blocks=1 + (max(args.concurrency) + 1) * sizes["pages_per_request"])
-        config["host_pool_gib"] = pool.nbytes / 2**30
-    for c, tv, modes in _groups(args):
-        if time.perf_counter() - t_start > args.time_budget:
-            results += [{"mode": m, "concurrency": c, "turnover": tv, "skipped": "time budget"}
-                        for m in modes]
-            write_result(name, {"config": config, "results": results,
-                                "ratios": summarise(results, args.turnover)}, out_json)
-            continue
-        for r in run_group(model, args, sizes, modes=modes, concurrency=c, turnover=tv,
-                           pool=pool, counter=counter):
-            results.append(r)
-            _print(r)
-        write_result(name, {"config": config, "results": results,
-                            "ratios": summarise(results, args.turnover)}, out_json)
-    if pool is not None:
-        pool.close()
-    print(json.dumps(summarise(results, args.turnover), indent=1))
+    # One pinned pool per row format for every host-tier engine (they run one at a time):
+    # pinning and unpinning tens of GiB per run would cost more than the runs, and a pool
+    # freed while the next engine runs stalls it.
+    for kv_format in formats:
+        if kv_format == kvf.FP8_DS_MLA and (cfg.kv_lora_rank, cfg.rope_dim) != (
+                kvf.LATENT_DIM, kvf.ROPE_DIM):
+            raise SystemExit(f"--kv-format {kv_format} needs 512 + 64 rows; --config "
+                             f"{cfg.name} has {cfg.kv_lora_rank} + {cfg.rope_dim}")
+    for kv_format in formats:
+        pool = None
+        if any(m != "all-resident" for m in args.modes):
+            pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
+                            row_width=kvf.storage_width(kv_format, cfg.row_width),
+                            dtype=kvf.storage_dtype(kv_format, cfg.kv_dtype),
+                            num_blocks=1 + (max(args.concurrency) + 1)
+                            * sizes["pages_per_request"])
+            config.setdefault("host_pool_gib_by_kv_format", {})[kv_format] = pool.nbytes / 2**30
+            if kv_format == formats[0]:
+                config["host_pool_gib"] = pool.nbytes / 2**30
+        try:
+            for c, tv, modes in _groups(args):
+                if time.perf_counter() - t_start > args.time_budget:
+                    results += [{"mode": m, "concurrency": c, "turnover": tv,
+                                 "kv_format": kv_format, "skipped": "time budget"}
+                                for m in modes]
+                else:
+                    for r in run_group(model, args, sizes, modes=modes, concurrency=c,
+                                       turnover=tv, pool=pool, counter=counter,
+                                       kv_format=kv_format):
+                        results.append(r)
+                        _print(r)
+                write_result(name, {"config": config, "results": results,
+                                    "ratios": summarise(results, args.turnover, formats)},
+                             out_json)
+        finally:
+            if pool is not None:
+                pool.close()
+    print(json.dumps(summarise(results, args.turnover, formats), indent=1))
     if not args.no_plot:
         try:
             plot(out_json, Path(args.plot or out_json.with_suffix(".png")))

@@ -5,7 +5,8 @@
 #        engine_gpu e2e_smoke e2e (the end-to-end decode
 #        benchmark, about 8 minutes), e2e_compare (HiSparse and all-resident at 1 and 256
 #        requests, for the code in .baseline/ when present and then for this tree, in one call:
-#        a before/after comparison on the same machine), or one op benchmark:
+#        a before/after comparison on the same machine), decode_fp8 / e2e_fp8 (the decode
+#        check and bf16 against fp8_ds_mla KV rows at 1, 64, 256 requests), or one op benchmark:
 #        resolve_residency gather_compact mirror_rows invalidate_written_rows sparse_mla_decode
 #        (`ops` runs all five)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
@@ -45,6 +46,8 @@ run_step() {  # name, time limit in s, command...
       # 8 prompts of up to 3500 tokens on 400 device blocks of 64 rows (all-resident: 8 x 56):
       # requests move to hot regions, pages are lost and read from host; tokens are checked.
       decode) run_step decode 150 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
+      decode_fp8) run_step decode_fp8 150 python3 examples/decode.py --config dsv32-2l --kv-format fp8_ds_mla --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
+      e2e_fp8) run_step e2e_fp8 "${E2E_FP8_LIMIT:-580}" python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident --concurrency 1,64,256 --turnover-sweep= --time-budget "${E2E_FP8_BUDGET:-480}" --no-plot ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
       e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;
       e2e_compare)
@@ -55,7 +58,7 @@ run_step() {  # name, time limit in s, command...
         run_step e2e_after 280 python3 -m bench.e2e_decode "${cmp_args[@]}" --output "${E2E_COMPARE_OUT:-bench/results/e2e_decode-compare-gpu.json}" ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
-      engine_gpu) run_step engine_gpu 250 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
+      engine_gpu) run_step engine_gpu 420 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
       resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode)

@@ -14,6 +14,7 @@ the engine refuses, prints one line naming the flag and the rule and exits with 
 
     python3 examples/decode.py                       # tiny, CPU, under pressure
     python3 examples/decode.py --all-resident        # the baseline
+    python3 examples/decode.py --config tiny576 --kv-format fp8_ds_mla --check   # fp8 rows
     python3 examples/decode.py --config dsv32-2l --requests 4 --prompt-len 3072 \\
         --gen-len 32 --block-size 64 --max-model-len 4096 --gpu-pool-fraction 0.5   # GPU
 """
@@ -33,6 +34,7 @@ from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier import CapacityError
 from host_tier.sizes import cdiv, round_up
+from pallas_kernels import kv_format as kvf
 
 MAX_SEED = 2**32 - 1          # jax.random.PRNGKey keeps the low 32 bits: larger seeds collide
 DEFAULT_GPU_POOL_FRACTION = 0.4
@@ -43,7 +45,8 @@ FIELD_FLAGS = {"num_host_blocks": "--host-blocks", "num_gpu_blocks": "--gpu-bloc
                "hot_size": "--hot-size", "block_size": "--block-size",
                "max_model_len": "--max-model-len", "max_seats": "--seats",
                "prefill_bucket": "--prefill-bucket", "top_k": "--top-k", "seed": "--seed",
-               "temperature": "--temperature", "max_new_tokens": "--gen-len"}
+               "temperature": "--temperature", "max_new_tokens": "--gen-len",
+               "kv_format": "--kv-format"}
 
 
 class ProgressBar:
@@ -163,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="model, prompts and sampling seed, in [0, 2^32 - 1]")
+    p.add_argument("--kv-format", default="bf16", choices=kvf.KV_FORMATS,
+                   help="stored KV row: bf16 values, or fp8_ds_mla (656-byte rows: fp8 latent "
+                        "with per-128 scales, bf16 rope; needs 512 + 64 rows: --config "
+                        "tiny576 or dsv32-2l; docs/kv_format.md)")
     p.add_argument("--all-resident", action="store_true", help="no host tier (baseline)")
     p.add_argument("--check", action="store_true",
                    help="also run all-resident and require identical tokens (greedy, or "
@@ -201,7 +208,15 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if given:
             p.error(f"{', '.join(given)} {'sizes' if len(given) == 1 else 'size'} the host "
                     f"tier, which --all-resident does not use")
-    top_k = args.top_k if args.top_k is not None else nn.CONFIGS[args.config].top_k
+    model = nn.CONFIGS[args.config]
+    if args.kv_format == kvf.FP8_DS_MLA and (model.kv_lora_rank, model.rope_dim) != (
+            kvf.LATENT_DIM, kvf.ROPE_DIM):
+        fits = sorted(n for n, c in nn.CONFIGS.items()
+                      if (c.kv_lora_rank, c.rope_dim) == (kvf.LATENT_DIM, kvf.ROPE_DIM))
+        p.error(f"--kv-format {args.kv_format} stores rows of {kvf.LATENT_DIM} latent + "
+                f"{kvf.ROPE_DIM} rope values; --config {args.config} has "
+                f"{model.kv_lora_rank} + {model.rope_dim} (use --config {' or '.join(fits)})")
+    top_k = args.top_k if args.top_k is not None else model.top_k
     if args.hot_size is not None and args.hot_size < top_k:
         p.error(f"--hot-size {args.hot_size} must be >= top_k {top_k} (--top-k, or the "
                 f"{args.config} config's): the hot region takes a whole step's misses")
@@ -240,7 +255,7 @@ def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
     kwargs = dict(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
                   hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
                   all_resident=all_resident, prefill_bucket=args.prefill_bucket,
-                  seed=args.seed)
+                  seed=args.seed, kv_format=args.kv_format)
     kwargs.update(compile_cache_kwargs(args))
     return EngineConfig(**kwargs)
 
@@ -288,7 +303,8 @@ def run(args: argparse.Namespace, engine: Engine) -> Engine:
           f"{args.requests} requests on {ec.max_seats} seats, prompts <= {args.prompt_len}, "
           f"{args.gen_len} new tokens, top_k {cfg.top_k}, block {ec.block_size}, hot "
           f"{ec.hot_size}, device pool {engine.num_gpu_blocks} blocks"
-          + ("" if ec.all_resident else f", host pool {ec.num_host_blocks} blocks"), flush=True)
+          + ("" if ec.all_resident else f", host pool {ec.num_host_blocks} blocks")
+          + f", KV rows {ec.kv_format} ({engine.row_bytes} B)", flush=True)
     bar = ProgressBar(args.requests * args.gen_len, mode)
 
     def on_step(e: Engine) -> None:
@@ -340,6 +356,8 @@ def print_summary(engines: list[Engine]) -> None:
         ("device memory: allocator in use", lambda s: "-" if s["device_allocator_bytes"] is None
          else _fmt_bytes(s["device_allocator_bytes"])),
         ("host memory: pinned KV pool", lambda s: _fmt_bytes(s["host_bytes"])),
+        ("KV row format (bytes per row)", lambda s: f"{s['kv_format']} ({s['row_bytes']} B)"),
+        ("host pool per full request", lambda s: _fmt_bytes(s["host_bytes_per_request"])),
     ]
     summaries = [e.summary() for e in engines]
     heads = [s["mode"] for s in summaries]

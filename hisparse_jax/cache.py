@@ -20,16 +20,22 @@ The residency semantics (which row a position reads, when a hot slot is valid) a
 `docs/semantics.md`.
 
 Data and shapes (N batch rows, S state rows, P pages per request, Hb hot pages, K top-k,
-B rows per page, W row width):
+B rows per page, W row width, Ws stored row width):
 
-  * `HiSparseKVCache.caches[l]`: [num_blocks, B, W] (kv_dtype), layer l's device KV cache:
+  * Row format (`HiSparseKVCache.kv_format`, `docs/kv_format.md`): "bf16" stores each row as
+    its W values (kv_dtype; Ws = W); "fp8_ds_mla" stores uint8[656] rows (Ws = 656: fp8
+    latent with one float32 scale per 128 values, bf16 rope). Rows are quantized where they
+    are written (`write` / `write_rows`, through `encode`); copies move the stored bytes
+    unchanged, and attention dequantizes them (pass `kv_format` to `sparse_mla_decode`), so
+    every residency reads the same values.
+  * `HiSparseKVCache.caches[l]`: [num_blocks, B, Ws] (storage dtype), layer l's device KV cache:
     resident pages and hot regions of every request; flat row r is `[r // B, r % B]`; block 0
     is the null block (never read through a table). Donated with the cache at a jit boundary.
   * `HiSparseKVCache.hot[g]`: the `HotState` (int32/int16[S, H]) of index group g.
   * `CacheBatch`: per-step inputs, read only: state_rows int32[N] (-1: padding row),
     positions int32[N] (the position each batch row writes this step), the batch rows'
     block-table rows src / res int32[N, P] and hot int32[N, Hb] (0: null block), and the
-    per-layer pinned host pools [host_blocks, B, W] (kept out of the donated cache: a spill
+    per-layer pinned host pools [host_blocks, B, Ws] (kept out of the donated cache: a spill
     writes them after the step).
 """
 
@@ -45,6 +51,7 @@ import jax.numpy as jnp
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.ops import gather_compact_group, invalidate_written_rows, resolve_residency
 from hisparse_jax.state import HotState, empty_like, init_hot_state
+from pallas_kernels import kv_format as kvf
 from pallas_kernels._rows import flat_rows
 
 _STATIC = {"static": True}
@@ -143,7 +150,7 @@ class CacheBatch:
       src: int32[N, P], host block of each page (0: none).
       res: int32[N, P], resident device block of each page (0: read from host).
       hot: int32[N, Hb], device blocks of the hot region (0: none).
-      host_pools: per layer, the pinned host pool [host_blocks, B, W]; may be empty for
+      host_pools: per layer, the pinned host pool [host_blocks, B, Ws]; may be empty for
         lookups that never read the host (`AllResident`).
     """
 
@@ -176,7 +183,7 @@ class HiSparseKVCache:
     docstring for shapes). Methods return a new handle; donate it at the jit boundary.
 
     Attributes:
-      caches: per layer, the device KV cache [num_blocks, B, W].
+      caches: per layer, the device KV cache [num_blocks, B, Ws] (stored rows).
       hot: per index group, the `HotState` of the hot regions (shared by the group's layers;
         unused by `AllResident` lookups).
       residency: `AllResident()`, `HiSparse()` or `NaiveOffload()` (static).
@@ -185,6 +192,7 @@ class HiSparseKVCache:
         [g * size, (g + 1) * size) and its lookup serves all of them.
       host_rows: rows of one layer's host pool (static); host rows >= it read as missing.
       ops_backend: backend of the data-plane ops (static; None: picked per platform).
+      kv_format: the stored row format, "bf16" or "fp8_ds_mla" (static).
     """
 
     caches: tuple[jax.Array, ...]
@@ -194,19 +202,21 @@ class HiSparseKVCache:
     index_group_size: int = dataclasses.field(default=1, metadata=_STATIC)
     host_rows: int = dataclasses.field(default=0, metadata=_STATIC)
     ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
+    kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
 
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
                index_group_size: int = 1, ops_backend: str | None = None) -> HiSparseKVCache:
-        """Zero caches [cfg.num_gpu_blocks, B, W] (cfg.kv_dtype) per layer and an empty hot
-        state per index group; host_rows from cfg (0 without a host pool)."""
+        """Zero caches [cfg.num_gpu_blocks, B, cfg.storage_width] (cfg.storage_dtype) per
+        layer and an empty hot state per index group; host_rows and kv_format from cfg (no
+        host pool: host_rows 0)."""
         num_blocks = cfg.require("num_gpu_blocks")
+        shape = (num_blocks, cfg.block_size, cfg.storage_width)
         return cls(
-            caches=tuple(jnp.zeros((num_blocks, cfg.block_size, cfg.row_width), cfg.kv_dtype)
-                         for _ in range(num_layers)),
+            caches=tuple(jnp.zeros(shape, cfg.storage_dtype) for _ in range(num_layers)),
             hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
             residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
-            host_rows=cfg.host_rows, ops_backend=ops_backend)
+            host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format)
 
     @property
     def num_layers(self) -> int:
@@ -216,15 +226,25 @@ class HiSparseKVCache:
         """The same arrays under another residency type (another traced step variant)."""
         return dataclasses.replace(self, residency=residency)
 
+    def encode(self, values: jax.Array) -> jax.Array:
+        """Float rows [..., W] as the caches store them: cast to the caches' dtype ("bf16"),
+        or `pallas_kernels.kv_format.quantize`d to uint8 [..., 656] ("fp8_ds_mla"). Use it
+        for rows attention reads straight from a step's values (prefill), so that they are
+        the values a later lookup reads."""
+        if self.kv_format == kvf.FP8_DS_MLA:
+            return kvf.quantize(values)
+        return values.astype(self.caches[0].dtype)
+
     def write_rows(self, layer: int, rows: jax.Array, values: jax.Array) -> HiSparseKVCache:
-        """Layer `layer`'s flat rows `rows` (int32[T], -1: skipped) := values [T, W]."""
+        """Layer `layer`'s flat rows `rows` (int32[T], -1: skipped) := encode(values [T, W])."""
         caches = list(self.caches)
-        caches[layer] = write_cache_rows(caches[layer], rows, values)
+        caches[layer] = write_cache_rows(caches[layer], rows, self.encode(values))
         return dataclasses.replace(self, caches=tuple(caches))
 
     def write(self, layer: int, values: jax.Array, batch: CacheBatch) -> HiSparseKVCache:
-        """Stores values [N, W], the row of each live batch row at `batch.positions`, in its
-        resident page (through `batch.res`); padding rows write nothing."""
+        """Stores values [N, W] (encoded: `encode`), the row of each live batch row at
+        `batch.positions`, in its resident page (through `batch.res`); padding rows write
+        nothing."""
         rows = jnp.where(batch.live, flat_rows(batch.res, batch.positions, self.block_size), -1)
         return self.write_rows(layer, rows, values)
 

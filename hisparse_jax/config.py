@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_tier.sizes import cdiv
+from pallas_kernels import kv_format as kvf
 
 MAX_HOT_SIZE = 32768  # LRU slot ids are int16
 
@@ -29,8 +30,12 @@ class HiSparseConfig:
         `top_k <= hot_size <= 32768`.
       block_size: B, rows per page; shared by host, resident and hot pages.
       max_num_reqs: S, rows of the hot state (one per concurrently served request).
-      row_width: W, elements of one KV row (576 for DeepSeek-V3.2 MLA: 512 latent + 64 rope).
-      kv_dtype: element type of KV rows.
+      row_width: W, values of one KV row (576 for DeepSeek-V3.2 MLA: 512 latent + 64 rope).
+      kv_dtype: float type of KV rows as the model computes them (and of attention's q).
+      kv_format: how rows are stored in the device caches and the host pool
+        (`pallas_kernels/kv_format.py`, `docs/kv_format.md`): "bf16" (W values of kv_dtype)
+        or "fp8_ds_mla" (uint8[656]: fp8 latent, 4 float32 scales, bf16 rope; W must be 576).
+        `storage_width` / `storage_dtype` / `row_bytes` give the stored row.
       max_model_len: longest request (prompt + generated), in tokens; None = unknown.
       num_gpu_blocks: device blocks of each layer's KV cache, the null block 0 included
         (resident pages and hot regions share them); None = unknown.
@@ -45,6 +50,7 @@ class HiSparseConfig:
     max_num_reqs: int
     row_width: int = 576
     kv_dtype: Any = "bfloat16"
+    kv_format: str = "bf16"
     max_model_len: int | None = None
     num_gpu_blocks: int | None = None
     num_host_blocks: int | None = None
@@ -67,7 +73,11 @@ class HiSparseConfig:
         except TypeError as e:
             raise ValueError(f"HiSparseConfig.kv_dtype is not a dtype: {self.kv_dtype!r}") from e
         object.__setattr__(self, "kv_dtype", dtype)
-        if (self.row_width * dtype.itemsize) % 16:
+        try:
+            kvf.storage_width(self.kv_format, self.row_width)
+        except ValueError as e:
+            raise ValueError(f"HiSparseConfig.kv_format: {e}") from None
+        if self.row_bytes % 16:
             raise ValueError(
                 f"HiSparseConfig.row_width * itemsize must be a multiple of 16 bytes, got "
                 f"{self.row_width} * {dtype.itemsize} = {self.row_width * dtype.itemsize}")
@@ -95,9 +105,26 @@ class HiSparseConfig:
         return 0 if self.num_host_blocks is None else self.num_host_blocks * self.block_size
 
     @property
+    def storage_width(self) -> int:
+        """Last dim of the device caches and host pools: row_width ("bf16") or 656
+        ("fp8_ds_mla")."""
+        return kvf.storage_width(self.kv_format, self.row_width)
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """Element type of the device caches and host pools: kv_dtype ("bf16") or uint8
+        ("fp8_ds_mla")."""
+        return np.dtype(kvf.storage_dtype(self.kv_format, self.kv_dtype))
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one KV row: row_width * itemsize."""
-        return self.row_width * self.kv_dtype.itemsize
+        """Bytes of one stored KV row: row_width * itemsize ("bf16"), 656 ("fp8_ds_mla")."""
+        return kvf.row_bytes(self.kv_format, self.row_width, self.kv_dtype)
+
+    def host_bytes_per_request(self, num_layers: int) -> int:
+        """Host pool bytes of one full-length request: max_pages * B rows of row_bytes in
+        each of `num_layers` layers."""
+        return self.max_pages * self.block_size * self.row_bytes * num_layers
 
     def require(self, name: str) -> int:
         """The value of an optional size; ValueError while it is unknown (None)."""

@@ -99,6 +99,12 @@ CONFIGS: dict[str, ModelConfig] = {
         name="tiny", vocab_size=512, hidden=128, num_layers=2, num_heads=4, q_lora_rank=64,
         kv_lora_rank=64, qk_nope_dim=32, rope_dim=32, v_head_dim=32, mlp_hidden=256,
         index_heads=4, index_dim=32, top_k=16),
+    # `tiny` with the DeepSeek-V3.2 row shape (kv_lora 512 + rope 64 = 576-wide rows): the
+    # smallest model whose rows the "fp8_ds_mla" KV row format can store (`docs/kv_format.md`).
+    "tiny576": ModelConfig(
+        name="tiny576", vocab_size=512, hidden=128, num_layers=2, num_heads=4, q_lora_rank=64,
+        kv_lora_rank=512, qk_nope_dim=32, rope_dim=64, v_head_dim=32, mlp_hidden=256,
+        index_heads=4, index_dim=64, top_k=16),
     # The real DeepSeek-V3.2 attention dimensions (7168 hidden, 128 heads, q_lora 1536,
     # kv_lora 512 + rope 64 = 576-wide rows, indexer 64 heads x 128, top_k 2048), a dense
     # SwiGLU MLP and 2 layers: a GPU-scale check of the attention path, not the full model.
@@ -126,8 +132,8 @@ class DecodeCache:
     """Device-side cache state of the model (a pytree; donate it at the jit boundary).
 
     Attributes:
-      kv: the KV-cache handle: per-layer latent KV caches [num_blocks, B, W] (kv_dtype) and
-        per-group hot states, with the residency that serves lookups.
+      kv: the KV-cache handle: per-layer latent KV caches [num_blocks, B, Ws] (rows stored in
+        its `kv_format`) and per-group hot states, with the residency that serves lookups.
       index_keys: per index group, the indexer key cache [S, max_model_len, index_dim]
         (kv_dtype), indexed by state row and position ([1, 1, index_dim] placeholders when the
         top-k comes from an external source).
@@ -289,12 +295,16 @@ class SparseMLA(nnx.Module):
         return q_lora, q_full, row
 
     def attend(self, q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Array, *,
-               backend: str | None = None) -> tuple[jax.Array, jax.Array]:
-        """Sparse attention over `attention_rows` (int32[T, K], -1 masked) of kv_rows
-        ([num_blocks, B, W] or [R, W]). Returns (output [T, hidden], latent out [T, h, kv_lora])."""
+               backend: str | None = None, kv_format: str = "bf16"
+               ) -> tuple[jax.Array, jax.Array]:
+        """Sparse attention over `attention_rows` (int32[T, K], -1 masked) of stored kv_rows
+        ([num_blocks, B, Ws] or [R, Ws] in `kv_format`, `docs/kv_format.md`: W values of
+        kv_dtype, or uint8[656] rows dequantized inside attention). Returns (output
+        [T, hidden], latent out [T, h, kv_lora])."""
         c = self.cfg
         latent, _ = sparse_mla_decode(q, kv_rows, attention_rows, sm_scale=c.sm_scale,
-                                      v_width=c.kv_lora_rank, backend=backend)
+                                      v_width=c.kv_lora_rank, kv_format=kv_format,
+                                      backend=backend)
         o = jnp.einsum("thc,hcv->thv", latent.astype(jnp.float32),
                        self.w_uv[...].astype(jnp.float32)).astype(_dt(c.dtype))
         return self.wo(o.reshape(o.shape[0], -1)), latent
@@ -383,7 +393,7 @@ class Transformer(nnx.Module):
                 hits.append(jnp.sum(lookup.hits))
                 misses.append(jnp.sum(lookup.misses))
             out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
-                                            backend=attention_backend)
+                                            backend=attention_backend, kv_format=kv.kv_format)
             if collect_attention:
                 attn.append(latent)
             x = self._finish(x, block, out)
@@ -400,7 +410,10 @@ class Transformer(nnx.Module):
         to flat device rows write_rows int32[T] (-1: not written) and to the index-key cache
         row `state_row` (through `cache.kv.write_rows`: prefill rows always go to resident
         pages). Every query row attends to its own top-k (sparse, the decode rule), over the
-        rows just computed. Returns (logits float32[V] of the last real token, new
+        rows just computed as the cache stores them (`HiSparseKVCache.encode`: with
+        "fp8_ds_mla" the quantized rows, as upstream, which quantizes at write and attends
+        over the stored rows; prefill and every decode residency thus read the same values).
+        Returns (logits float32[V] of the last real token, new
         cache, aux with "attention" [L, h, kv_lora] of the last token when collected).
         """
         c = self.cfg
@@ -422,7 +435,8 @@ class Transformer(nnx.Module):
                     jnp.where((pos < length)[:, None], keys, 0), mode="drop")
                 iq, iw = idx.queries(q_lora, h, pos)
                 topk = idx.select(iq, iw, keys, pos)
-            out, latent = block.attn.attend(q, row, topk, backend=attention_backend)
+            out, latent = block.attn.attend(q, kv.encode(row), topk, backend=attention_backend,
+                                            kv_format=kv.kv_format)
             if collect_attention:
                 attn.append(latent[length - 1])
             x = self._finish(x, block, out)

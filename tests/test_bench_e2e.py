@@ -39,6 +39,43 @@ def test_e2e_benchmark_runs_every_mode_and_writes_its_record(tmp_path):
     assert record["ratios"]["hisparse_over_all_resident"]["1"] == pytest.approx(ratio)
 
 
+def test_e2e_benchmark_compares_kv_row_formats(tmp_path):
+    from bench import e2e_decode
+
+    out = tmp_path / "e2e.json"
+    rc = e2e_decode.main([
+        "--config", "tiny576", "--context", "256", "--gen-budget", "64", "--block-size", "16",
+        "--concurrency", "6", "--modes", "hisparse,all-resident", "--turnover-sweep", "",
+        "--kv-format", "bf16,fp8_ds_mla", "--warmup-steps", "2", "--measure-steps", "4",
+        "--rounds", "2", "--output", str(out), "--no-plot"])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["kv_formats"] == ["bf16", "fp8_ds_mla"]
+    runs = {(r["kv_format"], r["mode"]): r for r in record["results"]}
+    assert set(runs) == {(f, m) for f in ("bf16", "fp8_ds_mla")
+                         for m in ("hisparse", "all-resident")}
+    for (fmt, _), r in runs.items():
+        assert "skipped" not in r, r
+        assert r["row_bytes"] == (656 if fmt == "fp8_ds_mla" else 1152)
+        assert r["bytes_h2d_per_step"] == pytest.approx(r["rows_h2d_per_step"] * r["row_bytes"])
+    hs8, hs16 = runs[("fp8_ds_mla", "hisparse")], runs[("bf16", "hisparse")]
+    assert hs8["rows_h2d_per_step"] > 0 and hs16["rows_h2d_per_step"] > 0
+    assert hs8["host_pool_bytes_per_request"] * 1152 == hs16["host_pool_bytes_per_request"] * 656
+    pools = record["config"]["host_pool_gib_by_kv_format"]
+    assert pools["fp8_ds_mla"] / pools["bf16"] == pytest.approx(656 / 1152)
+    ratios = record["ratios"]
+    assert ratios["fp8_over_bf16"]["hisparse_tokens_per_s"]["6"] == pytest.approx(
+        hs8["decode_tokens_per_s"] / hs16["decode_tokens_per_s"])
+    assert ratios["fp8_over_bf16"]["hisparse_bytes_h2d_per_step"]["6"] == pytest.approx(
+        hs8["bytes_h2d_per_step"] / hs16["bytes_h2d_per_step"])
+    fp8 = ratios["by_kv_format"]["fp8_ds_mla"]["hisparse_over_all_resident"]["6"]
+    assert fp8 == pytest.approx(hs8["decode_tokens_per_s"]
+                                / runs[("fp8_ds_mla", "all-resident")]["decode_tokens_per_s"])
+    assert ratios["hisparse_over_all_resident"] == ratios["by_kv_format"]["bf16"][
+        "hisparse_over_all_resident"]
+    print(f"\nrows/step bf16 {hs16['rows_h2d_per_step']:.1f} fp8 {hs8['rows_h2d_per_step']:.1f}")
+
+
 def test_e2e_plot_draws_both_panels(tmp_path):
     pytest.importorskip("matplotlib")  # the optional `bench` extra
     from bench import e2e_decode

@@ -59,7 +59,7 @@ BAD_VALUES = [
     ("--gpu-pool-fraction", "-1"), ("--gpu-pool-fraction", "0"), ("--gpu-pool-fraction", "1.5"),
     ("--gpu-pool-fraction", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
     ("--temperature", "warm"), ("--seed", "-1"), ("--seed", str(2**32)), ("--requests", "2.5"),
-    ("--config", "bogus"),
+    ("--config", "bogus"), ("--kv-format", "fp8"),
 ]
 
 
@@ -92,6 +92,7 @@ CROSS_FIELD = [
      ["--hot-size", "--host-blocks"]),
     (["--gpu-blocks", "10", "--gpu-pool-fraction", "0.5"],
      ["--gpu-blocks", "--gpu-pool-fraction"]),
+    (["--kv-format", "fp8_ds_mla"], ["--kv-format", "--config tiny", "512", "tiny576"]),
 ]
 
 
@@ -128,6 +129,8 @@ def test_omitted_flags_mean_their_defaults():
     assert _config(["--hot-size", "20"]).hot_size == 20
     assert _config(["--gpu-blocks", "77"]).num_gpu_blocks == 77
     assert _config(["--host-blocks", "99"]).num_host_blocks == 99
+    assert default.kv_format == "bf16"
+    assert _config(["--config", "tiny576", "--kv-format", "fp8_ds_mla"]).kv_format == "fp8_ds_mla"
     # a smaller fraction gives a smaller pool (down to what a lone request needs)
     assert (_config(["--gpu-pool-fraction", "1"]).num_gpu_blocks
             > _config(["--gpu-pool-fraction", "0.4"]).num_gpu_blocks)

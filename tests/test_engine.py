@@ -18,6 +18,7 @@ from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
 from pallas_kernels._compat import jit_cache_size
+from tests.engine_runs import run_prompts
 
 MAX_LEN = 96
 PROMPTS = [np.random.default_rng(i).integers(0, 512, 40 + 5 * i).tolist() for i in range(6)]
@@ -33,11 +34,7 @@ def _run(**overrides):
     kw = dict(max_seats=4, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
               collect_attention=True, max_traces=1)
     kw.update(overrides)
-    chex.clear_trace_counter()  # chex counts per definition site, across engines
-    engine = Engine(tiny_model(), EngineConfig(**kw))
-    ids = [engine.add_request(p, max_new_tokens=GEN) for p in PROMPTS]
-    out = engine.run()
-    return engine, [out[i] for i in ids]
+    return run_prompts(tiny_model(), PROMPTS, max_new_tokens=GEN, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +192,17 @@ def test_gpu_scale_config_matches_all_resident():
     (all-resident would need 8 x 56): the watermark (pool / 10 = 40 blocks) exceeds a hot
     region (32 blocks), so requests get hot regions and unpin pages without preempting.
     """
+    _gpu_scale_matches_all_resident("bf16")
+
+
+@pytest.mark.gpu
+def test_gpu_scale_fp8_matches_all_resident():
+    """The same with fp8_ds_mla rows on both sides (uint8[656] caches and pool, the Triton
+    attention kernel dequantizing; `docs/kv_format.md`): identical greedy tokens."""
+    _gpu_scale_matches_all_resident("fp8_ds_mla")
+
+
+def _gpu_scale_matches_all_resident(kv_format):
     model = nn.init_model("dsv32-2l", seed=0)
     prompts = [np.random.default_rng(i).integers(0, 129280, 3000 + 71 * i).tolist()
                for i in range(8)]
@@ -202,7 +210,7 @@ def test_gpu_scale_config_matches_all_resident():
     for all_res in (True, False):
         ec = EngineConfig(max_seats=8, max_model_len=4096, block_size=64, prefill_bucket=4096,
                           hot_size=2048, num_gpu_blocks=None if all_res else 400,
-                          all_resident=all_res, collect_attention=True)
+                          all_resident=all_res, collect_attention=True, kv_format=kv_format)
         engine = Engine(model, ec)
         ids = [engine.add_request(p, max_new_tokens=24) for p in prompts]
         out = engine.run()
@@ -210,6 +218,8 @@ def test_gpu_scale_config_matches_all_resident():
         engine.close()
     (_, base), (s, hs) = results
     print(s)
+    assert s["kv_format"] == kv_format and s["bytes_moved_h2d"] == s["rows_moved_h2d"] * (
+        656 if kv_format == "fp8_ds_mla" else 1152)
     assert s["hot_grants"] > 0 and s["rows_moved_h2d"] > 0 and s["lost_pages"] > 0, s
     for a, b in zip(base, hs, strict=True):
         assert a.generated == b.generated, (a.request_id, a.generated, b.generated)

@@ -14,6 +14,7 @@ from hisparse_jax.config import MAX_HOT_SIZE, HiSparseConfig
 from hisparse_jax.ops import _registry
 from hisparse_jax.topk_sources import TopKSource
 from host_tier.sizes import cdiv, is_int, round_up
+from pallas_kernels import kv_format as kvf
 
 ATTENTION_OPS = ("sparse_mla_decode",)
 """The ops `EngineConfig.attention_backend` selects for."""
@@ -85,6 +86,11 @@ class EngineConfig:
       seed: sampling seed, an int in [0, 2**32): the key of request r's i-th sampled token
         is a function of (seed, r's sampling seed (by default its add_request order index),
         i) only (`hisparse_jax.engine.sampler.token_keys`).
+      kv_format: how KV rows are stored in the device caches and the host pool (and so what
+        a hot-region miss copies): "bf16" (the model's kv_dtype, 1,152 bytes per 576-value
+        row) or "fp8_ds_mla" (uint8[656]: fp8 latent with a float32 scale per 128 values,
+        bf16 rope; quantized where written, dequantized inside attention; needs a model with
+        kv_lora_rank 512 and rope_dim 64). `docs/kv_format.md` has the layout and its error.
       compilation_cache: turn on jax's persistent compilation cache
         (`hisparse_jax.engine.compile_cache.enable`; the environment variable
         HISPARSE_JAX_COMPILATION_CACHE=0 turns it off, or names the directory).
@@ -110,6 +116,7 @@ class EngineConfig:
     max_traces: int | None = None
     seed: int = 0
     compilation_cache: bool = True
+    kv_format: str = "bf16"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +145,9 @@ class EngineConfig:
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
             object.__setattr__(self, name, bool(value))
+        if not isinstance(self.kv_format, str) or self.kv_format not in kvf.KV_FORMATS:
+            raise ValueError(f"EngineConfig.kv_format must be one of {kvf.KV_FORMATS}, got "
+                             f"{self.kv_format!r}")
         if self.all_resident and self.naive_offload:
             raise ValueError("EngineConfig: all_resident and naive_offload exclude each other")
         if self.topk_source is not None and not isinstance(self.topk_source, TopKSource):
@@ -151,7 +161,16 @@ class EngineConfig:
 
     def check_model(self, model_config: Any) -> None:
         """The rules that involve the model (`hisparse_jax.nn.ModelConfig`): an explicit
-        `hot_size` holds one step's top-k (hot_size >= top_k). ValueError naming the field."""
+        `hot_size` holds one step's top-k (hot_size >= top_k); `kv_format` "fp8_ds_mla"
+        stores rows of 512 latent + 64 rope values (kv_lora_rank 512, rope_dim 64).
+        ValueError naming the field."""
+        if self.kv_format == kvf.FP8_DS_MLA and (model_config.kv_lora_rank, model_config.rope_dim
+                                                 ) != (kvf.LATENT_DIM, kvf.ROPE_DIM):
+            raise ValueError(
+                f"EngineConfig.kv_format={self.kv_format!r} stores rows of {kvf.LATENT_DIM} "
+                f"latent + {kvf.ROPE_DIM} rope values; the model {model_config.name!r} has "
+                f"kv_lora_rank {model_config.kv_lora_rank} + rope_dim {model_config.rope_dim} "
+                f"(use e.g. the 'tiny576' or 'dsv32-2l' config)")
         if self.hot_size is not None and self.hot_size < model_config.top_k:
             raise ValueError(
                 f"EngineConfig.hot_size must be >= the model's top_k ({model_config.top_k}: "
@@ -166,12 +185,12 @@ class EngineConfig:
         if self.attention_backend is not None:
             dt, width, k = cfg.kv_dtype, mc.row_width, mc.top_k
             rows = cfg.num_gpu_blocks * cfg.block_size
-            kw = dict(sm_scale=mc.sm_scale, v_width=mc.kv_lora_rank)
+            kw = dict(sm_scale=mc.sm_scale, v_width=mc.kv_lora_rank, kv_format=cfg.kv_format)
             for n, kv_rows in ((cfg.max_num_reqs, rows), (cfg.max_model_len, cfg.max_model_len)):
                 reason = _registry.unsupported(
                     "sparse_mla_decode", self.attention_backend,
                     jax.ShapeDtypeStruct((n, mc.num_heads, width), dt),
-                    jax.ShapeDtypeStruct((kv_rows, width), dt),
+                    jax.ShapeDtypeStruct((kv_rows, cfg.storage_width), cfg.storage_dtype),
                     jax.ShapeDtypeStruct((n, k), np.int32), **kw)
                 if reason is not None:
                     raise ValueError(f"EngineConfig.attention_backend={self.attention_backend!r} "
@@ -182,6 +201,13 @@ class EngineConfig:
                 if reason is not None:
                     raise ValueError(f"EngineConfig.ops_backend={self.ops_backend!r} cannot run "
                                      f"{op} on this platform: {reason}")
+
+    def stored_row(self, model_config: Any) -> tuple[int, np.dtype]:
+        """(width, dtype) of one stored KV row of `model_config` in `kv_format`: the last
+        dim and element type of the device caches and the host pool."""
+        width, dtype = model_config.row_width, model_config.kv_dtype
+        return (kvf.storage_width(self.kv_format, width),
+                np.dtype(kvf.storage_dtype(self.kv_format, dtype)))
 
     @property
     def residency(self) -> Residency:
@@ -211,5 +237,6 @@ class EngineConfig:
             host_blocks = num_host_blocks or self.num_host_blocks or 1 + (S + 1) * max_pages
         return HiSparseConfig(top_k=mc.top_k, hot_size=hot_size, block_size=B,
                               max_num_reqs=S, row_width=mc.row_width, kv_dtype=mc.kv_dtype,
+                              kv_format=self.kv_format,
                               max_model_len=self.max_model_len, num_gpu_blocks=gpu_blocks,
                               num_host_blocks=host_blocks)

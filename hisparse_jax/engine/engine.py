@@ -154,7 +154,7 @@ class Engine:
         if not residency.reads_host:
             host_pool = None
         elif host_pool is not None:
-            want = (mc.num_layers, ec.block_size, mc.row_width, np.dtype(mc.kv_dtype))
+            want = (mc.num_layers, ec.block_size, *ec.stored_row(mc))
             have = (host_pool.num_layers, host_pool.block_size, host_pool.row_width,
                     host_pool.dtype)
             if have != want or host_pool.closed:
@@ -524,7 +524,10 @@ class Engine:
                          requests_finished=len(self.finished), finish_reasons=reasons,
                          stats=self.scheduler.manager.stats, device_bytes=self.device_bytes(),
                          device_allocator_bytes=self.allocator_bytes_in_use(),
-                         host_bytes=self.host_bytes(), gpu_blocks=self.num_gpu_blocks)
+                         host_bytes=self.host_bytes(), gpu_blocks=self.num_gpu_blocks,
+                         kv_format=self.hs_config.kv_format, row_bytes=self.row_bytes,
+                         host_bytes_per_request=self.hs_config.host_bytes_per_request(
+                             self.model_config.num_layers))
 
     def close(self) -> None:
         """Waits for every copy into the host pool; closes the pool if the engine made it."""

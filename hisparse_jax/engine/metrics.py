@@ -115,10 +115,13 @@ class StepClock:
 def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int,
               stats: Mapping[str, int], device_bytes: int, device_allocator_bytes: int | None,
               host_bytes: int, gpu_blocks: int,
-              finish_reasons: Mapping[str, int] | None = None) -> dict[str, Any]:
+              finish_reasons: Mapping[str, int] | None = None, kv_format: str = "bf16",
+              row_bytes: int = 0, host_bytes_per_request: int = 0) -> dict[str, Any]:
     """The summary figures of a run (`Engine.summary`). `stats`: the residency manager's
     counters (spills, unpinned_pages, lost_pages, hot_grants; absent ones count 0);
-    `finish_reasons`: finished requests per finish reason."""
+    `finish_reasons`: finished requests per finish reason; `kv_format` / `row_bytes`: the
+    stored KV row (bytes moved count `row_bytes` per row); `host_bytes_per_request`: host
+    pool bytes of one full-length request, every layer."""
     lookups = m.hot_hits + m.hot_misses
     steps = max(m.decode_steps, 1)
     timed_steps = clock.timed_decode_steps
@@ -157,4 +160,7 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         "device_allocator_bytes": device_allocator_bytes,
         "host_bytes": host_bytes,
         "gpu_blocks": gpu_blocks,
+        "kv_format": kv_format,
+        "row_bytes": row_bytes,
+        "host_bytes_per_request": host_bytes_per_request,
     }

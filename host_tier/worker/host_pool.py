@@ -136,6 +136,9 @@ def check_available_ram(pool_bytes: int, *, available: int | None = None,
 class HostPool:
     """Pinned host KV arrays, one `[num_blocks, block_size, row_width]` array per layer.
 
+    A row is opaque here: `row_width` elements of `dtype` as the device caches store them
+    (e.g. 576 bfloat16 values, or 656 uint8 bytes of an fp8 row format).
+
     Give exactly one of `host_pool_gib` (a byte budget for all layers together; the pool holds
     `floor(budget / (num_layers * B * W * itemsize))` blocks) or `num_blocks`.
 
@@ -210,7 +213,10 @@ class HostPool:
                     memory_kind: str = "pinned_host") -> HostPool:
         """A pool sized by a sizes object (e.g. `hisparse_jax.HiSparseConfig`).
 
-        Reads `config.block_size`, `config.row_width` and `config.kv_dtype`, and
+        Reads `config.block_size`; the stored row: `config.storage_width` and
+        `config.storage_dtype` where the config has them (a row format that stores rows in
+        another shape than their values, e.g. `HiSparseConfig(kv_format="fp8_ds_mla")`:
+        uint8[656]), else `config.row_width` and `config.kv_dtype`; and
         `config.num_host_blocks` unless `host_pool_gib` is given (then the byte budget sets the
         block count and `num_host_blocks` is not read).
 
@@ -218,12 +224,15 @@ class HostPool:
           ValueError: a size it reads is None or missing, or invalid (as in the constructor).
         """
         owner = "HostPool.from_config"
+        stored = hasattr(config, "storage_width") and hasattr(config, "storage_dtype")
+        width, dtype = (("storage_width", "storage_dtype") if stored
+                        else ("row_width", "kv_dtype"))
         sizes = {name: config_size(config, name, owner=owner)
-                 for name in ("block_size", "row_width", "kv_dtype")}
+                 for name in ("block_size", width, dtype)}
         num_blocks = None if host_pool_gib is not None else config_size(
             config, "num_host_blocks", owner=owner)
         return cls(num_layers=num_layers, block_size=sizes["block_size"],
-                   row_width=sizes["row_width"], dtype=sizes["kv_dtype"],
+                   row_width=sizes[width], dtype=sizes[dtype],
                    host_pool_gib=host_pool_gib, num_blocks=num_blocks, device=device,
                    memory_kind=memory_kind)
 

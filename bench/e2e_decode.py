@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="HiSparse and all-resident alternate in this many measured blocks")
     p.add_argument("--max-ramp-steps", type=int, default=2000)
     p.add_argument("--time-budget", type=float, default=float("inf"),
-                   help="seconds; runs that would start later are skipped")
+                   help="seconds, shared equally by the --kv-format formats; runs that would "
+                        "start later are skipped")
     p.add_argument("--output", default=None, help="default bench/results/e2e_decode-<backend>.json")
     p.add_argument("--plot", default=None, help="PNG path (default next to the JSON)")
     p.add_argument("--no-plot", action="store_true")
@@ -480,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                 kvf.LATENT_DIM, kvf.ROPE_DIM):
             raise SystemExit(f"--kv-format {kv_format} needs 512 + 64 rows; --config "
                              f"{cfg.name} has {cfg.kv_lora_rank} + {cfg.rope_dim}")
-    for kv_format in formats:
+    for i, kv_format in enumerate(formats):
+        # Each format gets an equal share of --time-budget (what one leaves, the next gets).
+        format_deadline = t_start + args.time_budget * (i + 1) / len(formats)
         pool = None
         if any(m != "all-resident" for m in args.modes):
             pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 config["host_pool_gib"] = pool.nbytes / 2**30
         try:
             for c, tv, modes in _groups(args):
-                if time.perf_counter() - t_start > args.time_budget:
+                if time.perf_counter() > format_deadline:
                     results += [{"mode": m, "concurrency": c, "turnover": tv,
                                  "kv_format": kv_format, "skipped": "time budget"}
                                 for m in modes]

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from host_tier.sizes import cdiv
+from host_tier.sizes import cdiv, check_int, round_up
 from pallas_kernels import kv_format as kvf
 
 MAX_HOT_SIZE = 32768  # LRU slot ids are int16
@@ -27,7 +27,8 @@ class HiSparseConfig:
     Attributes:
       top_k: K, selected token positions per query row.
       hot_size: H, GPU rows of a request's hot region (an LRU cache over host rows);
-        `top_k <= hot_size <= 32768`.
+        `(1 + num_speculative_tokens) * top_k <= hot_size <= 32768`
+        (`default_hot_size` gives twice that, rounded up to pages).
       block_size: B, rows per page; shared by host, resident and hot pages.
       max_num_reqs: S, rows of the hot state (one per concurrently served request).
       row_width: W, values of one KV row (576 for DeepSeek-V3.2 MLA: 512 latent + 64 rope).
@@ -41,6 +42,10 @@ class HiSparseConfig:
         (resident pages and hot regions share them); None = unknown.
       num_host_blocks: blocks of each layer's pinned host pool, the null block 0 included;
         None = unknown (e.g. no host tier).
+      num_speculative_tokens: draft tokens per decode step (an int >= 0, default 0): each
+        request has `query_rows_per_request = 1 + num_speculative_tokens` query rows per step,
+        resolved as one union (`docs/semantics.md`), so the hot region must hold
+        `query_rows_per_request * top_k` rows.
     The three optional sizes are not validated here (the parts that use them check them).
     """
 
@@ -54,16 +59,25 @@ class HiSparseConfig:
     max_model_len: int | None = None
     num_gpu_blocks: int | None = None
     num_host_blocks: int | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("top_k", "hot_size", "block_size", "max_num_reqs", "row_width"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"HiSparseConfig.{name} must be a positive int, got {value!r}")
+        check_int("HiSparseConfig", "num_speculative_tokens", self.num_speculative_tokens,
+                  minimum=0)
         if not self.top_k <= self.hot_size:
             raise ValueError(
                 f"HiSparseConfig.hot_size must be >= top_k (each miss needs its own slot), "
                 f"got hot_size={self.hot_size}, top_k={self.top_k}")
+        if self.hot_size < self.query_rows_per_request * self.top_k:
+            raise ValueError(
+                f"HiSparseConfig.hot_size must be >= (1 + num_speculative_tokens) * top_k (a "
+                f"request's query rows are resolved as one union of up to that many rows, each "
+                f"miss in its own slot), got hot_size={self.hot_size}, num_speculative_tokens="
+                f"{self.num_speculative_tokens}, top_k={self.top_k}")
         if self.hot_size > MAX_HOT_SIZE:
             raise ValueError(
                 f"HiSparseConfig.hot_size must be <= {MAX_HOT_SIZE} (LRU slot ids are int16), "
@@ -86,6 +100,23 @@ class HiSparseConfig:
                 f"HiSparseConfig.hot_size={self.hot_size} is not a multiple of block_size="
                 f"{self.block_size}: the last hot page of every request is partly unused",
                 stacklevel=3)
+
+    @staticmethod
+    def default_hot_size(top_k: int, block_size: int, num_speculative_tokens: int = 0) -> int:
+        """The default hot size: twice the rows one step's union can select, 2 * (1 +
+        num_speculative_tokens) * top_k, rounded up to a whole page of block_size rows.
+        A step needs (1 + num_speculative_tokens) * top_k (the smallest valid hot size); the
+        second half keeps rows of earlier steps cached across top-k drift (the engine's
+        default without speculation has always been 2 * top_k)."""
+        check_int("HiSparseConfig", "num_speculative_tokens", num_speculative_tokens,
+                  minimum=0)
+        return round_up(2 * (1 + num_speculative_tokens) * top_k, block_size)
+
+    @property
+    def query_rows_per_request(self) -> int:
+        """Query rows per request and step: 1 + num_speculative_tokens (the
+        `query_rows_per_request` of `resolve_residency`)."""
+        return 1 + self.num_speculative_tokens
 
     @property
     def hot_blocks(self) -> int:

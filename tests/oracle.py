@@ -94,6 +94,52 @@ def oracle_resolve(slot_rows, lru, topk, state_rows, hot_table, src_table, res_t
     return outputs, slot_rows, lru
 
 
+def oracle_resolve_union(slot_rows, lru, topk, state_rows, hot_table, src_table, res_table,
+                         block_size, host_rows, rows_per_request):
+    """The union rule of `docs/semantics.md` for r = rows_per_request query rows per request
+    (r adjacent rows of topk, sharing the first row's state row and tables): per request, its
+    positions >= 0 in first-appearance order (row-major), repeats dropped, padded with -1 to
+    r*K, go through `oracle_resolve` as one row; each query row's column then outputs what its
+    position got there. Returns (outputs dict: attention_rows [N, K] and valid_counts [N] per
+    query row, the plan and counts per request [G, r*K] / [G]; new_slot_rows; new_lru)."""
+    r = rows_per_request
+    n_rows, k = topk.shape
+    groups = n_rows // r
+    union = np.full((groups, r * k), -1, np.int32)
+    column = {}                                        # (query row, column) -> union column
+    for grp in range(groups):
+        seen = {}                                      # position -> union column
+        for n in range(grp * r, grp * r + r):
+            for i in range(k):
+                t = int(topk[n, i])
+                if t < 0:
+                    continue
+                if t not in seen:
+                    seen[t] = len(seen)
+                    union[grp, seen[t]] = t
+                column[n, i] = seen[t]
+    first = slice(None, None, r)
+    outputs, new_rows, new_lru = oracle_resolve(
+        slot_rows, lru, union, np.asarray(state_rows)[first], np.asarray(hot_table)[first],
+        np.asarray(src_table)[first], None if res_table is None else np.asarray(res_table)[first],
+        block_size, host_rows)
+    out = np.full((n_rows, k), -1, np.int32)
+    valid = np.zeros(n_rows, np.int32)
+    for n in range(n_rows):
+        grp = n // r
+        if int(state_rows[grp * r]) < 0:
+            continue
+        for i in range(k):
+            if (n, i) in column:
+                out[n, i] = outputs["attention_rows"][grp, column[n, i]]
+            t = int(topk[n, i])
+            g = host_row(src_table, grp * r, t, block_size, host_rows)
+            res = -1 if res_table is None else host_row(res_table, grp * r, t, block_size)
+            valid[n] += int(g >= 0 or res >= 0)
+    outputs = dict(outputs, attention_rows=out, valid_counts=valid)
+    return outputs, new_rows, new_lru
+
+
 def oracle_gather(host_pool, kv_cache, swap_src, swap_dst, swap_counts):
     pool = np.asarray(host_pool).reshape(-1, host_pool.shape[-1])
     cache = np.array(kv_cache, copy=True)
@@ -168,20 +214,81 @@ def random_case(rng: np.random.Generator, *, n: int, k: int, hot: int, block_siz
     slot_rows = np.full((num_state, hot), -1, np.int32)
     lru = np.stack([rng.permutation(hot) for _ in range(num_state)]).astype(np.int16)
     for r in range(n):
-        s = state_rows[r]
-        if s < 0:
-            continue
-        gs = [host_row(ids, r, int(t), block_size, host_rows) for t in topk[r]]
-        gs = [g for g in gs if g >= 0]
-        hitting = rng.choice(gs, size=int(rng.integers(0, len(gs) + 1)), replace=False) if gs \
-            else np.array([], np.int64)
-        stale = rng.choice(np.arange(host_rows, host_rows + 10 * hot), size=hot, replace=False)
-        content = np.concatenate([hitting, stale])[:hot]
-        fill = rng.permutation(hot)[: int(rng.integers(0, hot + 1))]
-        slot_rows[s, fill] = content[: fill.size]
+        if state_rows[r] >= 0:
+            _fill_slots(rng, slot_rows, int(state_rows[r]), ids, r, topk[r], block_size,
+                        host_rows)
     if corrupt_lru:
         rows = rng.integers(0, num_state, size=2)
         cols = rng.integers(0, hot, size=2)
         lru[rows, cols] = rng.choice([-1, hot, 32767], size=2)
     return ResolveCase(slot_rows, lru, topk, state_rows, hot_table, ids, res_table,
                        block_size, int(host_rows))
+
+
+def _fill_slots(rng, slot_rows, s, table, n, positions, block_size, host_rows):
+    """Random content for state row s: some host rows of `positions` (through row n of
+    `table`), so they hit, then stale rows past the pool; some slots left empty."""
+    hot = slot_rows.shape[1]
+    gs = [host_row(table, n, int(t), block_size, host_rows) for t in positions]
+    gs = list(dict.fromkeys(g for g in gs if g >= 0))        # distinct, in order
+    hitting = rng.choice(gs, size=int(rng.integers(0, len(gs) + 1)), replace=False) if gs \
+        else np.array([], np.int64)
+    stale = rng.choice(np.arange(host_rows, host_rows + 10 * hot), size=hot, replace=False)
+    content = np.concatenate([hitting, stale])[:hot]
+    fill = rng.permutation(hot)[: int(rng.integers(0, hot + 1))]
+    slot_rows[s] = -1
+    slot_rows[s, fill] = content[: fill.size]
+
+
+OVERLAPS = ("identical", "disjoint", "overlapping", "independent")
+
+
+def random_union_case(rng: np.random.Generator, *, requests: int, rows_per_request: int,
+                      k: int, hot: int, block_size: int, src_blocks: int,
+                      overlap: str = "independent", resident_share: float = 0.0,
+                      corrupt_lru: bool = False, padding: bool = True) -> ResolveCase:
+    """A random resolve instance with r = rows_per_request adjacent query rows per request
+    (N = requests * r), each request's rows sharing its state row and table rows.
+
+    Row 0 of a request is a `random_case` row; the others select, per `overlap`: the same
+    positions (`identical`, in another order), positions no earlier row selects
+    (`disjoint`, padded with -1 when the table runs out), half of row 0's plus new ones
+    (`overlapping`), or an independent draw (`independent`). Holes (-1) are mixed in
+    everywhere; the hot content of a request includes host rows of all its rows (hits from
+    any row).
+    """
+    assert overlap in OVERLAPS, overlap
+    r = rows_per_request
+    base = random_case(rng, n=requests, k=k, hot=hot, block_size=block_size,
+                       src_blocks=src_blocks, resident_share=resident_share,
+                       corrupt_lru=corrupt_lru, padding=padding)
+    pool = np.arange(-3, src_blocks * block_size + block_size)
+    topk = np.full((requests * r, k), -1, np.int32)
+    for grp in range(requests):
+        row0 = base.topk[grp]
+        topk[grp * r] = row0
+        for j in range(1, r):
+            if overlap == "identical":
+                row = rng.permutation(row0)
+            elif overlap == "independent":
+                row = rng.choice(pool, size=min(k, pool.size), replace=False)
+            else:
+                seen = topk[grp * r: grp * r + j]                # every earlier row
+                fresh = rng.permutation(np.setdiff1d(pool[pool >= 0], seen))
+                if overlap == "disjoint":
+                    row = fresh[:k]
+                else:
+                    kept = rng.permutation(row0[row0 >= 0])[: k // 2]
+                    row = np.concatenate([kept, fresh[: k - kept.size]])
+            row = np.concatenate([row, np.full(k - row.size, -1)]).astype(np.int32)
+            row[rng.random(k) < 0.05] = -1
+            topk[grp * r + j] = rng.permutation(row)
+    case = ResolveCase(base.slot_rows, base.lru, topk, np.repeat(base.state_rows, r),
+                       np.repeat(base.hot_table, r, axis=0), np.repeat(base.src_table, r, axis=0),
+                       np.repeat(base.res_table, r, axis=0), block_size, base.host_rows)
+    for grp in range(requests):
+        s = int(base.state_rows[grp])
+        if s >= 0:
+            _fill_slots(rng, case.slot_rows, s, base.src_table, grp,
+                        topk[grp * r: grp * r + r].ravel(), block_size, base.host_rows)
+    return case

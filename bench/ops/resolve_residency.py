@@ -1,7 +1,7 @@
 """resolve_residency benchmark: the Triton kernel's tuning sweep, then kernel vs jnp reference.
 
-Run on the GPU machine: `PYTHONPATH=. python3 -m bench.ops.resolve_residency` (< 150 s on an
-H200). Writes `bench/results/resolve_residency-<backend>.json`; each figure carries its
+Run on the GPU machine: `PYTHONPATH=. python3 -m bench.ops.resolve_residency` (a few minutes
+on an H200). Writes `bench/results/resolve_residency-<backend>.json`; each figure carries its
 baseline from the same run and the ratio, plus the issue's target.
 
   * sweep: `RESOLVE_VARIANTS` at N=64 and N=256 (K=2048, H=4096); each candidate is first
@@ -12,7 +12,11 @@ baseline from the same run and the ratio, plus the issue's target.
     device time per step (`fori_loop` chain of 100 dependent steps in one jit, minus one
     step) for the kernel's default tuning (`DEFAULT`) and the reference;
   * turnover: wall time of one public call per backend at N in {1, 8, 64, 256}, a warm state
-    replayed with 5% of every row's top-k replaced (context 65,536).
+    replayed with 5% of every row's top-k replaced (context 65,536);
+  * union (`query_rows_per_request=2`, one speculative token), G in {8, 64} requests, K=2048,
+    H=6144: device time per step of the union resolve (kernel, reference) and of the per-row
+    ablation (two single-row kernel calls on the carried state), and the hit rate and rows
+    copied per step of both (`bench_union`).
 """
 
 from __future__ import annotations
@@ -72,10 +76,10 @@ def _inputs(n, k, hot, rng, steps):
             (n * src_blocks + 1) * BLOCK)
 
 
-def _step(tuning, tables, host_rows):
+def _step(tuning, tables, host_rows, rows_per_request=1):
     """(slot_rows, lru, topk) -> the 8 outputs of one resolve; tuning None = reference."""
     state_rows, hot_table, src_table, res_table = tables
-    kw = dict(block_size=BLOCK, host_rows=host_rows)
+    kw = dict(block_size=BLOCK, host_rows=host_rows, query_rows_per_request=rows_per_request)
     if tuning is None:
         return lambda slots, lru, topk: reference.resolve_residency(
             slots, lru, topk, state_rows, hot_table, src_table, res_table, **kw)
@@ -167,6 +171,20 @@ def sweep(run: Run, rng) -> dict[str, Any]:
     return out
 
 
+def _device_us_per_step(step_fn, state, topks, chain_iters: int) -> float:
+    """Device us per step of `step_fn(slot_rows, lru, topk) -> outputs (state last two)`:
+    `chain_iters` dependent steps (topks cycled) in one jit, minus one step."""
+    @functools.partial(jax.jit, static_argnames=("iters",))
+    def chained(state, topks, *, iters):
+        def body(i, st):
+            outs = step_fn(st.slot_rows, st.lru, topks[i % topks.shape[0]])
+            return hj.HotState(outs[-2], outs[-1])
+        return jax.lax.fori_loop(0, iters, body, state)
+    t1 = time_fn(lambda: chained(state, topks, iters=1), iters=5)
+    tn = time_fn(lambda: chained(state, topks, iters=chain_iters), iters=5)
+    return (tn["median_us"] - t1["median_us"]) / (chain_iters - 1)
+
+
 def bench_n(run: Run, n: int, rng, steps: int = 8) -> dict[str, Any]:
     """Kernel (default tuning) and reference at batch size n: public-call wall time and
     device time per step."""
@@ -187,18 +205,8 @@ def bench_n(run: Run, n: int, rng, steps: int = 8) -> dict[str, Any]:
         out[backend] = time_fn(call, iters=20)
 
         # Device time per step: `chain_iters` dependent steps inside one jit.
-        step_fn = _step(tuning, tables, host_rows)
-
-        @functools.partial(jax.jit, static_argnames=("iters",))
-        def chained(state, topks, *, iters, step_fn=step_fn):
-            def body(i, st):
-                outs = step_fn(st.slot_rows, st.lru, topks[i % topks.shape[0]])
-                return hj.HotState(outs[6], outs[7])
-            return jax.lax.fori_loop(0, iters, body, state)
-        t1 = time_fn(lambda c=chained, s=state: c(s, topks, iters=1), iters=5)
-        tn = time_fn(lambda c=chained, s=state: c(s, topks, iters=chain_iters), iters=5)
-        out[f"{backend}_device_us_per_step"] = (
-            (tn["median_us"] - t1["median_us"]) / (chain_iters - 1))
+        out[f"{backend}_device_us_per_step"] = _device_us_per_step(
+            _step(tuning, tables, host_rows), state, topks, chain_iters)
     dev_k, dev_r = out["triton_device_us_per_step"], out["reference_device_us_per_step"]
     out["tuning"] = repr(kernel.DEFAULT)
     target = {64: 30.0, 256: 80.0}.get(n)
@@ -246,6 +254,92 @@ def bench_turnover(run: Run, n: int, rng) -> dict[str, Any]:
     return out
 
 
+def _union_inputs(requests: int, r: int, k: int, hot: int, rng, steps: int,
+                  new_share: float = 0.1):
+    """Decode-like rows of r query rows per request: row 0 drifts like `_inputs`; each
+    other row repeats row 0 with `new_share` of its positions replaced (speculative rows of
+    one request select mostly the same positions). Returns (topks int32[steps, G*r, K],
+    tables per query row (state_rows, hot, src, res), host_rows)."""
+    topks, src_table, hot_table, res_table, host_rows = _inputs(requests, k, hot, rng, steps)
+    sel = np.asarray(topks)
+    positions = src_table.shape[1] * BLOCK
+    rows = np.repeat(sel, r, axis=1)                                   # [steps, G*r, K]
+    for step in range(steps):
+        for grp in range(requests):
+            fresh = np.setdiff1d(np.arange(positions), sel[step, grp])
+            for j in range(1, r):
+                change = rng.choice(k, int(k * new_share), replace=False)
+                rows[step, grp * r + j, change] = rng.choice(fresh, change.size, replace=False)
+    tables = (jnp.repeat(jnp.arange(requests, dtype=jnp.int32), r),
+              *(jnp.repeat(t, r, axis=0) for t in (hot_table, src_table, res_table)))
+    return jnp.asarray(rows.astype(np.int32)), tables, host_rows
+
+
+def _ablation_step(tuning, tables, host_rows, r):
+    """The per-row ablation as a step: r single-row resolves (rows j, j + r, ...) in a row on
+    the carried state; returns the last one's outputs."""
+    first = tuple(t[::r] for t in tables)
+    single = _step(tuning, first, host_rows)
+
+    def step(slots, lru, topk):
+        for j in range(r):
+            outs = single(slots, lru, topk[j::r])
+            slots, lru = outs[6], outs[7]
+        return outs
+    return step
+
+
+def bench_union(run: Run, requests: int, rng, r: int = 2, steps: int = 8) -> dict[str, Any]:
+    """r = 2 query rows per request (one speculative token), K = 2048, H = 3 * K: device time
+    per step of the union resolve (kernel, reference) and of the per-row ablation (kernel:
+    r single-row calls on the carried state), and the hit rate and rows copied per step of
+    both over `steps` drifting steps from a cold state (union: num_hits / swap_counts per
+    request; ablation: summed over its r calls, so a position both rows select counts twice,
+    a hit on the second call: compare rows copied, not only hit rates)."""
+    k = 64 if SMALL else 2048
+    hot = 3 * k
+    cfg = hj.HiSparseConfig(top_k=k, hot_size=hot, block_size=BLOCK, max_num_reqs=requests,
+                            num_speculative_tokens=r - 1)
+    topks, tables, host_rows = _union_inputs(requests, r, k, hot, rng, steps)
+    state_rows, hot_table, src_table, res_table = tables
+    kw = dict(hot_block_table=hot_table, source_block_table=src_table,
+              resident_block_table=res_table, block_size=BLOCK, host_rows=host_rows)
+    out: dict[str, Any] = {"requests": requests, "r": r, "K": k, "H": hot, "steps": steps}
+    counts = {"union": [0, 0], "per_row": [0, 0]}                # hits, misses
+    union_state = ablation_state = hj.init_hot_state(cfg)
+    for step in range(steps):
+        res, union_state = hj.resolve_residency(union_state, topks[step], state_rows=state_rows,
+                                                query_rows_per_request=r, **kw)
+        counts["union"][0] += int(res.num_hits.sum())
+        counts["union"][1] += int(res.swap_counts.sum())
+        for j in range(r):
+            rows = slice(j, None, r)
+            res, ablation_state = hj.resolve_residency(
+                ablation_state, topks[step][rows], state_rows=state_rows[rows],
+                **{name: v[rows] if name.endswith("table") else v for name, v in kw.items()})
+            counts["per_row"][0] += int(res.num_hits.sum())
+            counts["per_row"][1] += int(res.swap_counts.sum())
+    for mode, (hits, misses) in counts.items():
+        out[mode] = {"hits": hits, "rows_copied_per_step": misses / steps,
+                     "hit_rate": hits / max(hits + misses, 1)}
+    chain_iters = 3 if SMALL else 100
+    warm = union_state
+    for name, step_fn in (("union_triton", _step(kernel.DEFAULT, tables, host_rows, r)),
+                          ("union_reference", _step(None, tables, host_rows, r)),
+                          ("per_row_triton", _ablation_step(kernel.DEFAULT, tables, host_rows,
+                                                            r))):
+        out[f"{name}_device_us_per_step"] = _device_us_per_step(step_fn, warm, topks,
+                                                                chain_iters)
+    run.table.append(
+        f"resolve union r={r} G={requests:3d}: {out['union_triton_device_us_per_step']:7.1f} us"
+        f"/step device (ref {out['union_reference_device_us_per_step']:7.1f}, per-row "
+        f"{out['per_row_triton_device_us_per_step']:7.1f}); hit rate "
+        f"{out['union']['hit_rate']:.3f} vs per-row {out['per_row']['hit_rate']:.3f}, rows "
+        f"copied/step {out['union']['rows_copied_per_step']:.0f} vs "
+        f"{out['per_row']['rows_copied_per_step']:.0f}")
+    return out
+
+
 def main() -> None:
     run = Run("resolve_residency", sweep_budget_s=SWEEP_BUDGET_S)
     rng = np.random.default_rng(0)
@@ -256,6 +350,8 @@ def main() -> None:
         run.record(f"resolve_N{n}", lambda n=n: bench_n(run, n, rng))
     for n in ((2,) if SMALL else (1, 8, 64, 256)):
         run.record(f"turnover_N{n}", lambda n=n: bench_turnover(run, n, rng))
+    for g in ((2,) if SMALL else (8, 64)):
+        run.record(f"union_r2_G{g}", lambda g=g: bench_union(run, g, rng))
     run.finish(("resolve_residency",))
 
 

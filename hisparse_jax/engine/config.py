@@ -229,7 +229,8 @@ class EngineConfig:
         B, S = self.block_size, self.max_seats
         mc = model_config
         max_pages = cdiv(self.max_model_len, B)
-        hot_size = self.hot_size or round_up((1 if self.naive_offload else 2) * mc.top_k, B)
+        hot_size = self.hot_size or (round_up(mc.top_k, B) if self.naive_offload
+                                     else HiSparseConfig.default_hot_size(mc.top_k, B))
         if self.all_resident:
             gpu_blocks, host_blocks = 1 + S * max_pages, None
         else:

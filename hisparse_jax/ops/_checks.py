@@ -75,7 +75,10 @@ def check_same_length(name_a: str, a: Any, name_b: str, b: Any) -> None:
 
 
 def validate_resolve(state, topk, state_rows, hot_block_table, source_block_table,
-                     resident_block_table, block_size, host_rows) -> None:
+                     resident_block_table, block_size, host_rows,
+                     query_rows_per_request: int = 1) -> None:
+    """The shape, dtype and static rules of `resolve_residency` (and, for concrete
+    state_rows, their values); query_rows_per_request: r adjacent rows per request."""
     check_hot_state(state)
     check_array("state.slot_rows", state.slot_rows, ndim=2, dtype=jnp.int32)
     check_array("state.lru", state.lru, ndim=2, dtype=jnp.int16)
@@ -91,6 +94,16 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
     if k > hot:
         raise ValueError(f"topk has {k} columns but the hot region holds only H={hot} slots; "
                          "the rule is top_k <= hot_size")
+    r = check_static_int("query_rows_per_request", query_rows_per_request, minimum=1)
+    if n % r:
+        raise ValueError(f"topk has N={n} rows, not a multiple of query_rows_per_request={r}; "
+                         f"the rule is: the r query rows of each request are adjacent, so N is "
+                         f"a multiple of r")
+    if r * k > hot:
+        raise ValueError(f"query_rows_per_request={r} rows of top_k={k} columns make a union "
+                         f"of up to r*K={r * k} positions, but the hot region holds only "
+                         f"H={hot} slots; the rule is query_rows_per_request * top_k <= "
+                         f"hot_size")
     check_array("state_rows", state_rows, ndim=1, dtype=jnp.int32)
     if state_rows.shape[0] != n:
         raise ValueError(f"state_rows has {state_rows.shape[0]} entries but topk has N={n} rows")
@@ -110,22 +123,37 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
             raise ValueError(f"{name} must be [N={n}, >= 1], got {tuple(table.shape)}")
     if is_concrete(state_rows):
         rows = np.asarray(state_rows)
+        if r > 1:
+            groups = rows.reshape(n // r, r)
+            bad = np.flatnonzero((groups != groups[:, :1]).any(axis=1))
+            if bad.size:
+                first = int(bad[0]) * r
+                raise ValueError(
+                    f"state_rows must be equal within each group of query_rows_per_request="
+                    f"{r} adjacent rows (the rows of one request); rows {first}..{first + r - 1}"
+                    f" hold {groups[bad[0]].tolist()}")
+            rows = groups[:, 0]
         live = rows[rows >= 0]
         if live.size and live.max() >= num_state_rows:
             raise ValueError(f"state_rows must be < max_num_reqs={num_state_rows} (or < 0 for "
                              f"padding), got {int(live.max())}")
         if np.unique(live).size != live.size:
-            raise ValueError("state_rows must not repeat a state row within one batch")
+            raise ValueError("state_rows must not repeat a state row within one batch"
+                             + (f" (except within a request's query_rows_per_request={r} "
+                                "adjacent rows)" if r > 1 else ""))
 
 
 def validate_resolve_values(state, topk, state_rows, hot_block_table, source_block_table,
-                            block_size, host_rows) -> None:
+                            block_size, host_rows, resident_block_table=None,
+                            query_rows_per_request: int = 1) -> None:
     """The value rules of `resolve_residency` that cost a device -> host copy (its opt-in
     `validate=True`), for the live batch rows (state_rows[n] >= 0) only; run after
     `validate_resolve`. Needs concrete arrays.
 
     * topk: the valid host rows of a row are unique (`docs/semantics.md`: a duplicate would
-      ask for two slots holding one row);
+      ask for two slots holding one row); with r = query_rows_per_request > 1, distinct
+      positions of one request (its r rows together) have distinct host rows;
+    * r > 1: the r rows of a request carry the same source, resident and hot table rows;
     * state.lru: the row of each live state row is a permutation of 0 .. H-1;
     * hot_block_table: the first ceil(H / B) block ids of a live row are > 0 (the blocks
       its hot slots live in; 0 is the null block).
@@ -133,18 +161,29 @@ def validate_resolve_values(state, topk, state_rows, hot_block_table, source_blo
     """
     named = (("state.slot_rows", state.slot_rows), ("state.lru", state.lru), ("topk", topk),
              ("state_rows", state_rows), ("hot_block_table", hot_block_table),
-             ("source_block_table", source_block_table))
+             ("source_block_table", source_block_table),
+             ("resident_block_table", resident_block_table))
     for name, x in named:
-        if not is_concrete(x):
+        if x is not None and not is_concrete(x):
             raise ValueError(f"resolve_residency(validate=True) checks values and needs "
                              f"concrete arrays, but {name} is traced; call it outside "
                              f"jax.jit, or leave validate=False")
     hot = state.lru.shape[1]
+    r = query_rows_per_request
     rows = np.asarray(state_rows)
     positions = np.asarray(topk).astype(np.int64)
     lru = np.asarray(state.lru)
     hot_table = np.asarray(hot_block_table)[:, :cdiv(hot, block_size)]
     src = np.asarray(source_block_table).astype(np.int64)
+    if r > 1:
+        tables = (("source_block_table", src), ("hot_block_table", hot_table))
+        if resident_block_table is not None:
+            tables += (("resident_block_table", np.asarray(resident_block_table)),)
+        _check_same_within_requests(rows, r, tables)
+        # Each request's rows through its first row's tables, its positions deduplicated.
+        positions = positions.reshape(-1, r * positions.shape[1])
+        positions = np.stack([np.where(_first_seen(p), p, -1) for p in positions])
+        src, hot_table, rows = src[::r], hot_table[::r], rows[::r]
     # Host row of every column (the flat-row rule of docs/semantics.md), -1 where none.
     page = np.where(positions >= 0, positions // block_size, -1)
     in_table = (page >= 0) & (page < src.shape[1])
@@ -159,20 +198,49 @@ def validate_resolve_values(state, topk, state_rows, hot_block_table, source_blo
         if (counts > 1).any():
             dup = int(values[counts > 1][0])
             cols = np.flatnonzero(host[n] == dup).tolist()
+            if r > 1:
+                k = topk.shape[1]
+                where = [f"topk[{n * r + c // k}, {c % k}]" for c in cols]
+                raise ValueError(f"topk rows {n * r}..{n * r + r - 1} (one request): "
+                                 f"{', '.join(where)} select distinct positions with the same "
+                                 f"host row {dup}; distinct positions of a request must have "
+                                 f"distinct host rows (validate=True)")
             raise ValueError(f"topk row {n}: columns {cols} all select host row {dup}; the "
                              f"valid host rows of a row must be unique (validate=True)")
+        where = f"batch row {n}" if r == 1 else f"batch rows {n * r}..{n * r + r - 1}"
         if not np.array_equal(np.sort(lru[s].astype(np.int64)), want_lru):
             bad = sorted(set(want_lru.tolist()) - set(lru[s].tolist()))
-            raise ValueError(f"state.lru[{s}] (the state row of batch row {n}) must be a "
+            raise ValueError(f"state.lru[{s}] (the state row of {where}) must be a "
                              f"permutation of 0..{hot - 1} (H={hot}); slot ids missing: "
                              f"{bad[:8]} (validate=True)")
         nulls = np.flatnonzero(hot_table[n] <= 0)
         if nulls.size:
             j = int(nulls[0])
-            raise ValueError(f"hot_block_table[{n}, {j}] = {int(hot_table[n, j])} for batch "
-                             f"row {n}: the first ceil(H/B)={hot_table.shape[1]} blocks of a "
+            row = n * r
+            raise ValueError(f"hot_block_table[{row}, {j}] = {int(hot_table[n, j])} for "
+                             f"{where}: the first ceil(H/B)={hot_table.shape[1]} blocks of a "
                              f"live row back its hot slots and must be > 0 (block 0 is the "
                              f"null block) (validate=True)")
+
+
+def _first_seen(values: np.ndarray) -> np.ndarray:
+    """bool mask: values[i] >= 0 and no values[j] == values[i] for j < i."""
+    _, first = np.unique(values, return_index=True)
+    mask = np.zeros(values.shape, bool)
+    mask[first] = True
+    return mask & (values >= 0)
+
+
+def _check_same_within_requests(rows: np.ndarray, r: int, tables) -> None:
+    """Each live request's r adjacent rows carry equal rows of every named table."""
+    for name, table in tables:
+        grouped = table.reshape(-1, r, table.shape[1])
+        differs = (grouped != grouped[:, :1]).any(axis=(1, 2)) & (rows[::r] >= 0)
+        if differs.any():
+            first = int(np.flatnonzero(differs)[0]) * r
+            raise ValueError(f"{name} rows {first}..{first + r - 1} differ, but they are the "
+                             f"query rows of one request (query_rows_per_request={r}) and "
+                             f"must carry the same table row (validate=True)")
 
 
 def validate_invalidate(state, state_rows_per_token, written_rows) -> None:

@@ -20,16 +20,19 @@ from hisparse_jax.state import HotState
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Resolution:
-    """Output of `resolve_residency` for a batch of N rows with K selected positions.
+    """Output of `resolve_residency` for a batch of N query rows with K selected positions,
+    r = query_rows_per_request adjacent rows per request, G = N / r requests (r = 1: G = N).
 
     Attributes:
       attention_rows: int32[N, K], flat device row to attend per column, -1 = masked.
-      valid_counts: int32[N], columns with a resident or host row.
-      swap_src: int32[N, K], host row of miss m (compacted), -1 past swap_counts.
-      swap_dst: int32[N, K], device row that miss m is copied to, -1 past swap_counts
+      valid_counts: int32[N], columns with a resident or host row, per query row.
+      swap_src: int32[G, r*K], host row of miss m of the request (compacted), -1 past
+        swap_counts. The plan is per request: each missing host row appears once.
+      swap_dst: int32[G, r*K], device row that miss m is copied to, -1 past swap_counts
         (and -1 for a miss that met an out-of-range LRU slot id).
-      swap_counts: int32[N], misses per row.
-      num_hits: int32[N], hot-region hits per row.
+      swap_counts: int32[G], misses per request.
+      num_hits: int32[G], hot-region hits per request (of the distinct host rows its rows
+        select: hits / (hits + misses) is the request's hit rate).
     """
 
     attention_rows: jax.Array
@@ -40,13 +43,15 @@ class Resolution:
     num_hits: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "backend"))
+@functools.partial(jax.jit,
+                   static_argnames=("block_size", "backend", "query_rows_per_request"))
 def _resolve(state, topk, state_rows, hot_block_table, source_block_table,
-             resident_block_table, *, block_size, host_rows, backend):
+             resident_block_table, *, block_size, host_rows, backend, query_rows_per_request):
     (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits, slot_rows,
      lru) = _registry.implementation("resolve_residency", backend)(
         state.slot_rows, state.lru, topk, state_rows, hot_block_table, source_block_table,
-        resident_block_table, block_size=block_size, host_rows=host_rows)
+        resident_block_table, block_size=block_size, host_rows=host_rows,
+        query_rows_per_request=query_rows_per_request)
     return (Resolution(attention_rows, valid_counts, swap_src, swap_dst, swap_counts,
                        num_hits), HotState(slot_rows, lru))
 
@@ -63,15 +68,16 @@ def resolve_residency(
     host_rows: int,
     backend: str | None = None,
     validate: bool = False,
+    query_rows_per_request: int = 1,
 ) -> tuple[Resolution, HotState]:
     """Maps each selected position to a device row, updating the hot-region LRU.
 
     Args:
       state: the hot state (slot_rows int32[S, H], lru int16[S, H]).
-      topk: int32[N, K] selected logical positions per batch row (-1 = none), 1 <= K <= H;
-        valid host rows must be unique within a row.
+      topk: int32[N, K] selected logical positions per batch row (-1 = none), 1 <= K and
+        query_rows_per_request * K <= H; valid host rows must be unique within a row.
       state_rows: int32[N], hot-state row of each batch row; -1 marks a padding row; the live
-        ones distinct and < S.
+        ones < S and distinct across requests.
       hot_block_table: int32[N, >= ceil(H/B)], device blocks of each row's hot region.
       source_block_table: int32[N, Ms], host blocks of each row's request (0 = null).
       resident_block_table: int32[N, Mr] or None, still-resident device blocks (0 = none).
@@ -82,21 +88,34 @@ def resolve_residency(
         work: valid host rows unique within each row of topk, each state.lru row a
         permutation of 0..H-1, the first ceil(H/B) hot_block_table ids > 0. Opt-in (it
         copies the arrays to the host); needs concrete arrays (a ValueError under jit).
+        With query_rows_per_request > 1 it also checks that a request's rows carry equal
+        table rows and that its distinct positions have distinct host rows.
+      query_rows_per_request: r (static int >= 1), query rows per request (1 + speculative
+        tokens: `HiSparseConfig.query_rows_per_request`). N must be a multiple of r; the r
+        rows of a request are adjacent and carry the same state row and table rows (the op
+        reads the first row's). The request is resolved as ONE pass over the union of its
+        rows' positions (first-appearance order), so its LRU moves once per step and its
+        swap plan lists each missing host row once; every row gets its own attention rows.
+        r = 1 is the single-row op (and, over the same rows with one call per row index,
+        the per-row ablation).
     Returns:
       (Resolution, new HotState); exact semantics in `docs/semantics.md`.
     """
     _checks.validate_resolve(state, topk, state_rows, hot_block_table, source_block_table,
-                             resident_block_table, block_size, host_rows)
+                             resident_block_table, block_size, host_rows,
+                             query_rows_per_request)
     if validate:
         _checks.validate_resolve_values(state, topk, state_rows, hot_block_table,
-                                        source_block_table, block_size, host_rows)
+                                        source_block_table, block_size, host_rows,
+                                        resident_block_table, query_rows_per_request)
     backend = _registry.select(
         "resolve_residency", backend, state.slot_rows, state.lru, topk, state_rows,
         hot_block_table, source_block_table, resident_block_table, block_size=block_size,
-        host_rows=host_rows)
+        host_rows=host_rows, query_rows_per_request=query_rows_per_request)
     return _resolve(state, topk, state_rows, hot_block_table, source_block_table,
                     resident_block_table, block_size=int(block_size),
-                    host_rows=jnp.int32(host_rows), backend=backend)
+                    host_rows=jnp.int32(host_rows), backend=backend,
+                    query_rows_per_request=int(query_rows_per_request))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

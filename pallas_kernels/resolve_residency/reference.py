@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._rows import flat_rows
+from pallas_kernels.resolve_residency.union import resolve_union
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -87,7 +88,8 @@ def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
 
 
 def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
-                      source_block_table, resident_block_table, *, block_size, host_rows):
+                      source_block_table, resident_block_table, *, block_size, host_rows,
+                      query_rows_per_request: int = 1):
     """Reference resolve over a batch.
 
     Args:
@@ -98,12 +100,21 @@ def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
       resident_block_table: int32[N, Mr] or None.
       block_size: B (static); host_rows: rows of the host pool (int or traced int32
         scalar): a host row g >= host_rows is treated as null.
+      query_rows_per_request: r (static, >= 1). r > 1: N = G * r rows, the r adjacent rows
+        of a request share its state row and tables and are resolved as one pass over the
+        union of their positions (`union.resolve_union`, `docs/semantics.md`); swap_src,
+        swap_dst are then [G, r*K] and swap_counts, num_hits [G] (per request).
     Returns:
       (attention_rows int32[N, K], valid_counts int32[N], swap_src int32[N, K],
        swap_dst int32[N, K], swap_counts int32[N], num_hits int32[N],
        new_slot_rows int32[S, H], new_lru int16[S, H]); padding rows output -1 / 0 and
       leave their state rows unchanged.
     """
+    if query_rows_per_request > 1:
+        return resolve_union(
+            resolve_residency, slot_rows, lru, topk, state_rows, hot_block_table,
+            source_block_table, resident_block_table, block_size=block_size,
+            host_rows=host_rows, rows_per_request=query_rows_per_request)
     num_state_rows, h = slot_rows.shape
     n, k = topk.shape
     g = flat_rows(source_block_table, topk, block_size)

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _compat, _triton
+from pallas_kernels.resolve_residency.union import resolve_union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,9 +320,14 @@ def _resolve_pending(n, s, g, pending, num_pending, out0, hot_ref, lru_old_ref, 
 
 def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table, source_block_table,
                       resident_block_table, *, block_size, host_rows, interpret: bool = False,
-                      tuning: ResolveTuning = DEFAULT, poison: int | None = None):
+                      tuning: ResolveTuning = DEFAULT, poison: int | None = None,
+                      query_rows_per_request: int = 1):
     """resolve_residency in one launch: one program per batch row (same arguments, contract
     and outputs as `reference.resolve_residency`, exactly, including the LRU order).
+
+    query_rows_per_request r > 1: the union rows of the requests are built with jnp
+    (`union.resolve_union`) and the kernel runs once per request (one program each) on its
+    union row of r * K columns; the per-row outputs are gathered back with jnp.
 
     host_rows may be a Python int or a traced int32 scalar (it is a kernel operand).
     slot_rows int32[S, H] and a copy of lru int16[S, H] are updated in place (aliased); the
@@ -330,6 +336,13 @@ def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table, source_
     table (keys and values) [N, table_factor * Kp] twice, LRU-position hit marks [N, Hp] and
     the evictables the misses take [N, Kp] (Kp, Hp: K, H rounded up to powers of two).
     """
+    if query_rows_per_request > 1:
+        single = functools.partial(resolve_residency, interpret=interpret, tuning=tuning,
+                                   poison=poison)
+        return resolve_union(
+            single, slot_rows, lru, topk, state_rows, hot_block_table, source_block_table,
+            resident_block_table, block_size=block_size, host_rows=host_rows,
+            rows_per_request=query_rows_per_request)
     num_state_rows, hot = slot_rows.shape
     n, k = topk.shape
     if n == 0 or k == 0:

@@ -19,8 +19,16 @@ import hisparse_jax as hs
 from bench.ops.resolve_residency import RESOLVE_VARIANTS
 from pallas_kernels.resolve_residency import reference as ref_module
 from pallas_kernels.resolve_residency import triton as tk
+from pallas_kernels.resolve_residency import union as union_module
 from tests.ops import INTERPRET, POISON, backends, examples, lower_for_cuda, sds
-from tests.oracle import host_row, oracle_resolve, random_case
+from tests.oracle import (
+    OVERLAPS,
+    host_row,
+    oracle_resolve,
+    oracle_resolve_union,
+    random_case,
+    random_union_case,
+)
 
 BACKENDS = backends("resolve_residency")
 TOP_KS = [1, 31, 32, 33, 63, 64, 65, 128, 2048]
@@ -43,8 +51,13 @@ def run_public(case, backend="reference", **kw):
         block_size=case.block_size, host_rows=case.host_rows, backend=backend, **kw)
 
 
-def assert_matches_oracle(case, resolution, state):
-    want, want_rows, want_lru = oracle_resolve(*case.args(), case.block_size, case.host_rows)
+def assert_matches_oracle(case, resolution, state, rows_per_request=1):
+    if rows_per_request == 1:
+        want, want_rows, want_lru = oracle_resolve(*case.args(), case.block_size,
+                                                   case.host_rows)
+    else:
+        want, want_rows, want_lru = oracle_resolve_union(
+            *case.args(), case.block_size, case.host_rows, rows_per_request)
     for field in OUTPUT_FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(resolution, field)), want[field],
                                       err_msg=field)
@@ -586,3 +599,314 @@ def test_gpu_sequence_via_public_op():
             np.testing.assert_array_equal(np.asarray(getattr(res_p, name)),
                                           np.asarray(getattr(res_r, name)), name)
         np.testing.assert_array_equal(np.asarray(state_p.lru), np.asarray(state_r.lru))
+
+
+# ------------------------------------------- several query rows per request (the union rule)
+
+# (requests, r, k, hot): one compiled shape each; the kernels run the first two only.
+UNION_SHAPES = [(3, 2, 5, 10), (2, 3, 8, 32), (4, 2, 32, 96), (2, 4, 16, 64)]
+
+
+def union_case(rng, shape, overlap, **kw):
+    requests, r, k, hot = shape
+    block = 4
+    case = random_union_case(rng, requests=requests, rows_per_request=r, k=k, hot=hot,
+                             block_size=block, src_blocks=max(2, r * k // block),
+                             overlap=overlap, **kw)
+    case.hot_table = case.hot_table[:, : -(-hot // block)]      # one width per shape
+    return case
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 2**32 - 1), data=st.data(), resident_share=st.sampled_from([0.0, 0.4]),
+       corrupt_lru=st.booleans(), overlap=st.sampled_from(OVERLAPS))
+def test_union_matches_oracle(backend, seed, data, resident_share, corrupt_lru, overlap):
+    """Random requests of r rows (holes, padding requests, resident pages, hits from any
+    row, corrupt LRU ids; rows identical / disjoint / overlapping / independent)."""
+    shapes = UNION_SHAPES if backend == "reference" else UNION_SHAPES[:2]
+    shape = data.draw(st.sampled_from(shapes), label="shape")
+    case = union_case(np.random.default_rng(seed), shape, overlap,
+                      resident_share=resident_share, corrupt_lru=corrupt_lru)
+    resolution, state = run_public(case, backend, query_rows_per_request=shape[1])
+    assert_matches_oracle(case, resolution, state, rows_per_request=shape[1])
+    requests, r, k, _ = shape
+    assert resolution.swap_src.shape == (requests, r * k)          # the plan is per request
+    assert resolution.attention_rows.shape == (requests * r, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(0.3))
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(2, 5))
+def test_union_matches_oracle_over_steps(backend, seed, steps):
+    """State carried across steps; every step draws new rows (and overlap) per request."""
+    rng = np.random.default_rng(seed)
+    shape = UNION_SHAPES[1]
+    case = union_case(rng, shape, "overlapping")
+    for _ in range(steps):
+        fresh = union_case(rng, shape, str(rng.choice(OVERLAPS)),
+                           resident_share=float(rng.choice([0.0, 0.4])))
+        case.topk, case.res_table = fresh.topk, fresh.res_table
+        resolution, state = run_public(case, backend, query_rows_per_request=shape[1])
+        assert_matches_oracle(case, resolution, state, rows_per_request=shape[1])
+        case.slot_rows, case.lru = np.asarray(state.slot_rows), np.asarray(state.lru)
+
+
+@settings(max_examples=examples(0.3))
+@given(seed=st.integers(0, 2**32 - 1), resident_share=st.sampled_from([0.0, 0.4]))
+def test_union_of_one_row_is_the_single_row_op(seed, resident_share):
+    """The union machinery at r = 1 (compaction of the row's positions, gather back)
+    reproduces the single-row op bit for bit, and query_rows_per_request=1 is the default."""
+    case = random_case(np.random.default_rng(seed), n=4, k=16, hot=32, block_size=4,
+                       src_blocks=6, resident_share=resident_share)
+    args = [None if a is None else jnp.asarray(a) for a in case.args()]
+    kw = dict(block_size=case.block_size, host_rows=case.host_rows)
+    single = ref_module.resolve_residency(*args, **kw)
+    through_union = union_module.resolve_union(ref_module.resolve_residency, *args,
+                                               rows_per_request=1, **kw)
+    default, state = run_public(case)
+    explicit, state1 = run_public(case, query_rows_per_request=1)
+    for name, a, b in zip(NAMES, single, through_union, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    chex.assert_trees_all_equal((default, state), (explicit, state1))
+
+
+def _single_row_kw(case, rows):
+    """Public-op arguments for the batch rows `rows` of `case` alone, as r = 1 rows."""
+    return dict(state_rows=jnp.asarray(case.state_rows[rows]),
+                hot_block_table=jnp.asarray(case.hot_table[rows]),
+                source_block_table=jnp.asarray(case.src_table[rows]),
+                resident_block_table=jnp.asarray(case.res_table[rows]),
+                block_size=case.block_size, host_rows=case.host_rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identical_rows_resolve_like_one_row(backend):
+    """r rows selecting the same positions (in other orders) change the state exactly as
+    the first row alone, copy what it copies, and each row reads the same device row per
+    position."""
+    rng = np.random.default_rng(2)
+    shape = UNION_SHAPES[1]
+    requests, r, k, _ = shape
+    case = union_case(rng, shape, "identical", resident_share=0.3)
+    for n in range(requests * r):                 # the same positions, holes included
+        case.topk[n] = rng.permutation(case.topk[n - n % r])
+    state0 = hs.HotState(jnp.asarray(case.slot_rows), jnp.asarray(case.lru))
+    union_res, union_state = run_public(case, backend, query_rows_per_request=r)
+    first = np.arange(0, requests * r, r)
+    one, one_state = hs.resolve_residency(state0, jnp.asarray(case.topk[first]),
+                                          backend=backend, **_single_row_kw(case, first))
+    chex.assert_trees_all_equal(union_state, one_state)
+    for name in ("swap_counts", "num_hits"):
+        np.testing.assert_array_equal(getattr(union_res, name), getattr(one, name), name)
+    np.testing.assert_array_equal(np.asarray(union_res.swap_src)[:, :k], one.swap_src)
+    np.testing.assert_array_equal(np.asarray(union_res.swap_src)[:, k:], -1)
+    for n in range(requests * r):
+        row0 = dict(zip(case.topk[n - n % r].tolist(),
+                        np.asarray(one.attention_rows)[n // r].tolist(), strict=True))
+        want = [row0[t] if t >= 0 else -1 for t in case.topk[n].tolist()]
+        np.testing.assert_array_equal(np.asarray(union_res.attention_rows)[n], want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disjoint_rows_resolve_like_their_concatenation(backend):
+    """r rows selecting disjoint positions resolve exactly as one row of r*K columns holding
+    them side by side (the union is their concatenation, holes aside)."""
+    rng = np.random.default_rng(4)
+    shape = UNION_SHAPES[1]
+    requests, r, k, _ = shape
+    case = union_case(rng, shape, "disjoint", resident_share=0.3)
+    case.topk[case.topk < 0] = -1
+    state0 = hs.HotState(jnp.asarray(case.slot_rows), jnp.asarray(case.lru))
+    union_res, union_state = run_public(case, backend, query_rows_per_request=r)
+    first = np.arange(0, requests * r, r)
+    wide = jnp.asarray(case.topk.reshape(requests, r * k))
+    one, one_state = hs.resolve_residency(state0, wide, backend=backend,
+                                          **_single_row_kw(case, first))
+    chex.assert_trees_all_equal(union_state, one_state)
+    for name in ("swap_src", "swap_dst", "swap_counts", "num_hits"):
+        np.testing.assert_array_equal(getattr(union_res, name), getattr(one, name), name)
+    np.testing.assert_array_equal(np.asarray(union_res.attention_rows),
+                                  np.asarray(one.attention_rows).reshape(requests * r, k))
+
+
+@settings(max_examples=examples(0.3))
+@given(seed=st.integers(0, 2**32 - 1), overlap=st.sampled_from(OVERLAPS))
+def test_per_row_ablation_copies_at_least_the_union(seed, overlap):
+    """The per-row ablation (r = 1, one call per row index on the carried state) copies
+    every row the union copies, and more whenever rows of a request share a miss."""
+    shape = UNION_SHAPES[2]
+    requests, r, _, _ = shape
+    case = union_case(np.random.default_rng(seed), shape, overlap)
+    union_res, _ = run_public(case, query_rows_per_request=r)
+    state = hs.HotState(jnp.asarray(case.slot_rows), jnp.asarray(case.lru))
+    per_row_copies = np.zeros(requests, np.int64)
+    copied = [set() for _ in range(requests)]
+    for j in range(r):
+        rows = np.arange(j, requests * r, r)
+        res, state = hs.resolve_residency(state, jnp.asarray(case.topk[rows]),
+                                          **_single_row_kw(case, rows))
+        per_row_copies += np.asarray(res.swap_counts)
+        for grp in range(requests):
+            copied[grp] |= set(np.asarray(res.swap_src)[grp, : int(res.swap_counts[grp])]
+                               .tolist())
+    assert (np.asarray(union_res.swap_counts) <= per_row_copies).all()
+    for grp in range(requests):
+        union_copies = set(np.asarray(union_res.swap_src)[grp, : int(
+            union_res.swap_counts[grp])].tolist())
+        assert union_copies <= copied[grp]
+        assert len(union_copies) == int(union_res.swap_counts[grp])    # each row once
+
+
+def _union_good_args(r=2):
+    cfg, kw = identity_setup(8, 16, 4, n=2 * r)
+    kw["state_rows"] = jnp.repeat(jnp.arange(2, dtype=jnp.int32), r)
+    return hs.init_hot_state(cfg), jnp.zeros((2 * r, 8), jnp.int32), kw
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda s, t, kw: (s, t[:3], {**kw, "state_rows": kw["state_rows"][:3],
+                                  **{n: kw[n][:3] for n in ("hot_block_table",
+                                                            "source_block_table")}}),
+     r"N=3 rows, not a multiple of query_rows_per_request=2"),
+    (lambda s, t, kw: (s, jnp.zeros((4, 9), jnp.int32), kw),
+     r"query_rows_per_request=2 .* r\*K=18 .* H=16 .*query_rows_per_request \* top_k <= "
+     r"hot_size"),
+    (lambda s, t, kw: (s, t, {**kw, "state_rows": jnp.array([0, 1, 1, 0], jnp.int32)}),
+     r"state_rows must be equal within each group of query_rows_per_request=2 .* rows 0..1"),
+    (lambda s, t, kw: (s, t, {**kw, "state_rows": jnp.array([1, 1, 1, 1], jnp.int32)}),
+     r"must not repeat a state row .*\(except within a request"),
+    (lambda s, t, kw: (s, t, {**kw, "query_rows_per_request": 0}),
+     "query_rows_per_request must be >= 1"),
+    (lambda s, t, kw: (s, t, {**kw, "query_rows_per_request": 2.0}),
+     "query_rows_per_request must be a static Python int"),
+])
+def test_union_bad_input_names_the_argument(mutate, match):
+    state, topk, kw = mutate(*_union_good_args())
+    kw.setdefault("query_rows_per_request", 2)
+    with pytest.raises((ValueError, TypeError), match=match):
+        hs.resolve_residency(state, topk, **kw)
+
+
+@pytest.mark.parametrize("rule", ["source_block_table", "hot_block_table",
+                                  "resident_block_table", "repeated_host_row"])
+def test_union_validate_rejects_each_rule(rule):
+    """validate=True with r > 1: a request's rows carry equal table rows, and its distinct
+    positions distinct host rows; without validate=True the same case runs."""
+    rng = np.random.default_rng(8)
+    shape = UNION_SHAPES[0]
+    requests, r, k, _ = shape
+    case = union_case(rng, shape, "overlapping", resident_share=0.3, padding=False)
+    run_public(case, query_rows_per_request=r, validate=True)           # valid as drawn
+    if rule == "repeated_host_row":
+        # Pages 0 and 1 of request 1 now hold block 1: positions 0 and B share a host row.
+        case.src_table[r: 2 * r, :2] = 1
+        case.topk[r, :2] = [0, case.block_size]
+        case.topk[r + 1] = -1
+        match = rf"topk rows {r}..{2 * r - 1} \(one request\): .* distinct host rows"
+    else:
+        table = {"source_block_table": case.src_table, "hot_block_table": case.hot_table,
+                 "resident_block_table": case.res_table}[rule]
+        table[1, 0] += 1
+        match = rf"{rule} rows 0..{r - 1} differ, .* must carry the same table row"
+    with pytest.raises(ValueError, match=match):
+        run_public(case, query_rows_per_request=r, validate=True)
+    run_public(case, query_rows_per_request=r)
+
+
+def test_config_num_speculative_tokens():
+    cfg = hs.HiSparseConfig(top_k=64, hot_size=192, block_size=16, max_num_reqs=1,
+                            num_speculative_tokens=2)
+    assert cfg.query_rows_per_request == 3
+    assert hs.HiSparseConfig(top_k=4, hot_size=8, block_size=4,
+                             max_num_reqs=1).query_rows_per_request == 1
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match=r"HiSparseConfig.num_speculative_tokens must be "
+                                             r"an int >= 0"):
+            hs.HiSparseConfig(top_k=4, hot_size=8, block_size=4, max_num_reqs=1,
+                              num_speculative_tokens=bad)
+    with pytest.raises(ValueError, match=r"hot_size must be >= \(1 \+ num_speculative_tokens\)"
+                                         r" \* top_k.*hot_size=128, num_speculative_tokens=2"):
+        hs.HiSparseConfig(top_k=64, hot_size=128, block_size=16, max_num_reqs=1,
+                          num_speculative_tokens=2)
+    for k, b, spec in [(64, 16, 0), (2048, 64, 2), (100, 64, 1), (7, 3, 4)]:
+        hot = hs.HiSparseConfig.default_hot_size(k, b, spec)
+        assert hot % b == 0 and 2 * (1 + spec) * k <= hot < 2 * (1 + spec) * k + b
+        hs.HiSparseConfig(top_k=k, hot_size=hot, block_size=b, max_num_reqs=1,
+                          num_speculative_tokens=spec)                  # accepted as is
+
+
+# (requests, r, k, hot, block, resident): the kernel on union rows against the reference.
+UNION_KERNEL_SHAPES = {"r2": (3, 2, 6, 16, 4, True), "r3_no_resident": (2, 3, 5, 15, 2, False)}
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "r"))
+def _union_kernel(*args, block_size, host_rows, r):
+    return tk.resolve_residency(*args, block_size=block_size, host_rows=host_rows,
+                                interpret=INTERPRET, poison=POISON, query_rows_per_request=r)
+
+
+_union_ref = jax.jit(ref_module.resolve_residency,
+                     static_argnames=("block_size", "query_rows_per_request"))
+
+
+def _check_union_kernel(case, r, kernel=_union_kernel):
+    args = [None if a is None else jnp.asarray(a) for a in case.args()]
+    got = kernel(*args, block_size=case.block_size, host_rows=case.host_rows, r=r)
+    want = _union_ref(*args, block_size=case.block_size, host_rows=case.host_rows,
+                      query_rows_per_request=r)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+@pytest.mark.parametrize("shape", list(UNION_KERNEL_SHAPES))
+@settings(max_examples=examples(0.2))
+@given(seed=st.integers(0, 2**32 - 1), corrupt=st.booleans(),
+       overlap=st.sampled_from(OVERLAPS))
+def test_union_kernel_matches_reference(shape, seed, corrupt, overlap):
+    requests, r, k, hot, block, resident = UNION_KERNEL_SHAPES[shape]
+    case = random_union_case(np.random.default_rng(seed), requests=requests,
+                             rows_per_request=r, k=k, hot=hot, block_size=block,
+                             src_blocks=r * k // block + 1, overlap=overlap,
+                             resident_share=0.3, corrupt_lru=corrupt)
+    case.hot_table = case.hot_table[:, : -(-hot // block)]
+    if not resident:
+        case.res_table = None
+    _check_union_kernel(case, r)
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_union_kernel_lowers_to_triton():
+    """The union path (jnp union + kernel on r*K-column rows + gather back) at the GPU test's
+    size: r = 2, K = 2048, H = 6144, 64 requests."""
+    requests, r, k, hot, block = 64, 2, 2048, 6144, 64
+    n = requests * r
+    fn = functools.partial(tk.resolve_residency, block_size=block, host_rows=1 << 20,
+                           query_rows_per_request=r)
+    lower_for_cuda(fn, sds((requests + 2, hot)), sds((requests + 2, hot), jnp.int16),
+                   sds((n, k)), sds((n,)), sds((n, hot // block)), sds((n, 100)),
+                   sds((n, 100)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", ["overlapping", "independent"])
+def test_gpu_union_kernel_realistic(overlap):
+    """Compiled kernel vs reference at r = 2, K = 2048, H = 6144, 64 requests, over 3 steps
+    of carried state; the first step also against the loop oracle."""
+    rng = np.random.default_rng(17)
+    requests, r, k, hot, block = 64, 2, 2048, 6144, 64
+    case = random_union_case(rng, requests=requests, rows_per_request=r, k=k, hot=hot,
+                             block_size=block, src_blocks=96, overlap=overlap,
+                             resident_share=0.3, corrupt_lru=True)
+    for step in range(3):
+        if step:
+            fresh = random_union_case(rng, requests=requests, rows_per_request=r, k=k,
+                                      hot=hot, block_size=block, src_blocks=96,
+                                      overlap=overlap, resident_share=0.3)
+            case.topk = fresh.topk
+        got, got_state = run_public(case, "triton", query_rows_per_request=r)
+        want, want_state = run_public(case, "reference", query_rows_per_request=r)
+        chex.assert_trees_all_equal((got, got_state), (want, want_state))
+        if step == 0:
+            assert_matches_oracle(case, got, got_state, rows_per_request=r)
+        case.slot_rows = np.asarray(got_state.slot_rows)
+        case.lru = np.asarray(got_state.lru)

@@ -28,8 +28,8 @@ The mesh has two axes, `DATA` ("data", D shards) and `MODEL` ("model", M devices
 
 Sampling keys depend only on (seed, request sampling seed, token index), never on the batch
 (`hisparse_jax/engine/sampler.py`), so greedy and sampled tokens equal the single-device
-engine's for the same requests added in the same order, up to the rounding of the
-tensor-parallel matmuls (`docs/mesh.md` says what is compared).
+engine's for the same requests added in the same order, up to the float rounding of the
+tensor-parallel and per-shard matmuls (`docs/mesh.md` says what is compared).
 
 Several processes (`jax.distributed`): every process builds the same mesh and engine and adds
 the same requests in the same order; a data shard's devices must all belong to one process,
@@ -104,8 +104,8 @@ def param_specs(params: Any, model_size: int) -> list[P]:
     """The `PartitionSpec` over `MODEL` of each parameter leaf (`jax.tree.flatten` order of
     an `nnx.State`): dense kernels [in, out] and the embedding [vocab, hidden] split their
     last dim, the absorbed up-projections w_uk / w_uv [heads, ., .] their first; norms and
-    everything else replicated. Each output element of a split matmul is reduced on one
-    device (no partial sums).
+    everything else replicated (the partitioner picks the activations' layout, so the float
+    rounding may differ from one device: `docs/mesh.md`).
 
     Raises:
       ValueError: `model_size` does not divide a dim it splits (naming the parameter).

@@ -99,8 +99,10 @@ class Skip(Exception):
 
 def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
                 mode: str, concurrency: int, source: Any, pool: Any,
-                kv_format: str = kvf.BF16) -> Engine:
-    seats = (min(concurrency, sizes["all_resident_cap"]) if mode == "all-resident"
+                kv_format: str = kvf.BF16, build: Any = None, shards: int = 1) -> Engine:
+    """`build(model, config)` makes the engine instead of `Engine` (`bench/mesh_decode.py`:
+    a mesh engine of `shards` data shards, each with the `sizes` budget)."""
+    seats = (min(concurrency, shards * sizes["all_resident_cap"]) if mode == "all-resident"
              else concurrency)
     if seats < 1:
         raise Skip("the GPU KV budget holds no full request")
@@ -111,7 +113,8 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
         topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
         kv_format=kv_format)
-    engine = Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
+    engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
+              if build is None else build(model, ec))
     rng = np.random.default_rng(0)
     for _ in range(concurrency):
         # Token ids only matter for the last one (the first decode input): synthetic prefill.

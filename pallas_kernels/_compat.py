@@ -194,3 +194,44 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str | None:
     finally:
         if patched is not None:
             reg.gpu_info_lib.get_gpu_info = patched
+
+
+# --------------------------------------------------------------------------- meshes
+# (issue 18: the mesh engine, `hisparse_jax/engine/mesh.py`)
+
+
+def shard_map(fn: Callable[..., Any], *, mesh: jax.sharding.Mesh, in_specs: Any,
+              out_specs: Any, manual_axes: Sequence[str]) -> Callable[..., Any]:
+    """`fn` mapped over the blocks of `mesh`'s `manual_axes`; the mesh's other axes stay with
+    the partitioner (GSPMD shards them by the operands' shardings). Replication is not
+    checked. jax 0.10.2 .. 0.12 have `jax.shard_map(axis_names=, check_vma=)`; older ones
+    only `jax.experimental.shard_map.shard_map(auto=, check_rep=)`."""
+    manual = frozenset(manual_axes)
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=manual, check_vma=False)
+    from jax.experimental.shard_map import shard_map as _legacy  # pragma: no cover
+
+    return _legacy(fn, mesh, in_specs, out_specs, check_rep=False,  # pragma: no cover
+                   auto=frozenset(mesh.axis_names) - manual)
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int,
+                           process_id: int) -> None:
+    """`jax.distributed.initialize` for a multi-process run, with cross-process collectives
+    on the CPU (gloo, where this jax has the option and it is not set already)."""
+    try:
+        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # pragma: no cover - a jax without the option
+        pass
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+
+
+def process_allgather(x: Any) -> Any:
+    """Every process's `x` (numpy), stacked on a new leading axis, on every process
+    (`jax.experimental.multihost_utils.process_allgather`)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x)

@@ -134,21 +134,25 @@ class Runner:
       tables: `host_tier.DeviceBlockTables` (src / res / hot per state row).
       transfers: the transfer worker (`before_forward` / `after_forward`).
       host_pool: the pinned `host_tier.HostPool` (None when the mode reads no host rows).
-      device: where everything is committed.
+      device: where everything is committed (a device, or a sharding: e.g. one data shard's
+        devices of a mesh, `hisparse_jax/engine/mesh.py`).
+      params: the parameter leaves (in `jax.tree.flatten` order of the model's `nnx.State`)
+        already placed (e.g. tensor-parallel views); None: the model's, committed to `device`.
     """
 
     def __init__(self, model: Transformer, ec: EngineConfig, cfg: HiSparseConfig,
                  residency: Residency, *, tables: Any, transfers: Any, host_pool: Any,
-                 device: jax.Device) -> None:
+                 device: jax.Device | jax.sharding.Sharding, params: Any = None) -> None:
         self.config, self.cfg, self.residency = ec, cfg, residency
         self.model_config = mc = model.cfg
         self.tables, self.transfers, self.host_pool = tables, transfers, host_pool
         self.device = device
+        params_given = params
         self.graphdef, params = nnx.split(model)
         # Plain leaves at the jit boundary: flattening an nnx.State on every call costs more
         # host time than the rest of the call's dispatch.
         leaves, self._params_treedef = jax.tree.flatten(params)
-        self.params = self._put(leaves)
+        self.params = self._put(leaves) if params_given is None else params_given
         self.topk_source = None
         if ec.topk_source is not None:
             self.topk_source = ec.topk_source.bind(num_groups=mc.num_groups, top_k=mc.top_k)
@@ -409,7 +413,7 @@ class Runner:
         """The spill copies of every row-list bucket (`host_tier/worker/transfer.py`: row
         lists padded with -1 to a power of two >= its MIN_ROWS_BUCKET); returns the sizes."""
         pool, mirror = self.host_pool, self.transfers.mirror_fn
-        sharding = jax.sharding.SingleDeviceSharding(next(iter(pool.sharding.device_set)))
+        sharding = self.transfers.index_sharding
         top = pow2_bucket(max_spill_pages * self.cfg.block_size, _SPILL_BUCKET)
         for size in _pow2_sizes(_SPILL_BUCKET, top):
             rows = jax.device_put(np.full(size, -1, np.int32), sharding)
@@ -436,7 +440,20 @@ class Runner:
             traced = chex.assert_max_traces(traced, n=self.config.max_traces)
         return traced
 
+    def _placed_outputs(self) -> dict[str, Any]:
+        """jit keywords that keep the outputs on `device` when it is a sharding (a mesh shard:
+        the partitioner would otherwise shard a cache like the tensor-parallel parameters)."""
+        if isinstance(self.device, jax.sharding.Sharding):
+            return {"out_shardings": self.device}
+        return {}
+
     def _jit_decode(self, name: str) -> Callable[..., Any]:
+        return jax.jit(self._wrap(self.decode_fn(), name), donate_argnames=("cache",))
+
+    def decode_fn(self) -> Callable[..., Any]:
+        """The decode step before `jax.jit`: (params, cache, tokens, positions, state_rows,
+        tables, host_pools, temperature, key, seeds, topk_state, steps) -> (tokens, cache,
+        aux); the cache's residency picks the variant."""
         graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
         source = self.topk_source
 
@@ -455,7 +472,7 @@ class Runner:
                 collect_attention=ec.collect_attention)
             return sample(logits, temperature, keys), cache, aux
 
-        return jax.jit(self._wrap(step, name), donate_argnames=("cache",))
+        return step
 
     def _jit_prefill(self) -> Callable[..., Any]:
         graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
@@ -470,7 +487,8 @@ class Runner:
                 attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
             return sample(logits[None], temperature[None], keys)[0], cache, aux
 
-        return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",))
+        return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",),
+                       **self._placed_outputs())
 
     def _jit_synthetic_prefill(self) -> Callable[..., Any]:
         num_layers, width = self.model_config.num_layers, self.model_config.row_width
@@ -490,7 +508,8 @@ class Runner:
                 kv = kv.write_rows(layer, rows_at, rows)
             return tokens[length - 1], dataclasses.replace(cache, kv=kv), {}
 
-        return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",))
+        return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",),
+                       **self._placed_outputs())
 
     def device_bytes(self) -> int:
         """Bytes of parameters, KV caches, index-key caches and hot state on the device."""

@@ -32,8 +32,10 @@ RAM_FRACTION_LIMIT = 0.95
 _GIB = 1 << 30
 
 
-def memory_sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
-    """A one-device sharding in `memory_kind` memory (e.g. "pinned_host"), for pools.
+def memory_sharding(device: jax.Device | Sequence[jax.Device],
+                    memory_kind: str) -> jax.sharding.Sharding:
+    """A one-device sharding in `memory_kind` memory (e.g. "pinned_host"), for pools; given
+    several devices, the array replicated on each of them (a mesh shard's devices).
 
     A NamedSharding over a one-device mesh, not a SingleDeviceSharding: on jax 0.10.2 and
     0.11.2 a jit output placed by `out_shardings=SingleDeviceSharding(..., "pinned_host")`
@@ -41,7 +43,8 @@ def memory_sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Shardi
     so a pool written by a kernel would reach the next jit as a device operand. A
     NamedSharding carries the memory space into the output type.
     """
-    mesh = jax.sharding.Mesh(np.array([device]), ("one",))
+    devices = list(device) if isinstance(device, (list, tuple)) else [device]
+    mesh = jax.sharding.Mesh(np.array(devices), ("one",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
                                       memory_kind=memory_kind)
 
@@ -154,7 +157,8 @@ class HostPool:
       dtype: element type.
       host_pool_gib: byte budget in GiB (2**30 bytes).
       num_blocks: exact number of blocks, null block included (>= 2).
-      device: the device whose pinned host memory holds the pool (default: first device).
+      device: the device whose pinned host memory holds the pool (default: first device);
+        a tuple of devices: one copy per device (a mesh shard's devices).
       memory_kind: "pinned_host" (default); "unpinned_host" or "device" only for experiments.
     """
 
@@ -190,7 +194,8 @@ class HostPool:
         ensure_host_memory_limit(self.nbytes)
 
         device = device or jax.devices()[0]
-        kinds = [m.kind for m in device.addressable_memories()]
+        first = device[0] if isinstance(device, (list, tuple)) else device
+        kinds = [m.kind for m in first.addressable_memories()]
         if memory_kind not in kinds:
             raise ValueError(
                 f"HostPool.memory_kind={memory_kind!r} is not a memory of {device} "

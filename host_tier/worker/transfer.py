@@ -82,8 +82,12 @@ class TransferEngine:
         self.mirror_fn = mirror_fn
         self.restore_fn = restore_fn
         self.block_size = host_pool.block_size
-        device = next(iter(host_pool.sharding.device_set))
-        self._index_sharding = jax.sharding.SingleDeviceSharding(device)
+        devices = host_pool.sharding.device_set
+        # Row lists live where the pool's copies run: its device, or (a pool replicated over a
+        # mesh shard's devices) all of them.
+        self.index_sharding = (jax.sharding.SingleDeviceSharding(next(iter(devices)))
+                               if len(devices) == 1
+                               else host_pool.sharding.with_memory_kind("device"))
         self._enqueued: list[int] = []
         self._completed: list[int] = []
         self._failed: list[int] = []
@@ -208,7 +212,7 @@ class TransferEngine:
         return kv_caches
 
     def _put(self, rows: np.ndarray) -> jax.Array:
-        return jax.device_put(rows, self._index_sharding)
+        return jax.device_put(rows, self.index_sharding)
 
 
 def _deleted(array: object) -> bool:

@@ -1,0 +1,118 @@
+"""End-to-end decode on a mesh against one device: `python3 -m bench.mesh_decode --mesh 2x1`.
+
+At concurrency C per device (default: the most the default host pool of a device holds at
+`--context`), three runs with synthetic prefill and drift top-k (`bench/e2e_decode.py`'s
+method: ramp to the steady state, then `--measure-steps` timed engine steps):
+
+  * "hisparse-1": the single-device `Engine` with C requests on one device's KV budget;
+  * "hisparse-mesh": `MeshEngine` (`hisparse_jax/engine/mesh.py`) with D * C requests, each
+    data shard with the same budget and its own host pool;
+  * "all-resident-mesh": `MeshEngine` all-resident with as many requests as the shards'
+    budgets hold (at most D * C).
+
+Writes `bench/results/mesh_decode-<backend>.json` with decode tokens/s, the mesh / one-device
+ratio (target >= 1.8x on 2 GPUs) and HiSparse / all-resident on the mesh. Set the device
+count before jax starts (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from bench import e2e_decode
+from hisparse_jax import nn
+from hisparse_jax.engine.mesh import MeshEngine
+from hisparse_jax.topk_sources import DriftTopK
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _run(model, args, sizes, *, mode: str, concurrency: int, build, shards: int,
+         counter) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    engine = e2e_decode.make_engine(model, args, sizes, mode=mode, concurrency=concurrency,
+                                    source=DriftTopK(turnover=args.turnover, seed=1), pool=None,
+                                    build=build, shards=shards)
+    try:
+        info = {"setup_seconds": time.perf_counter() - t0, **e2e_decode.ramp(engine, args)}
+        window = e2e_decode.Window(engine)
+        window.measure(args.measure_steps, counter)
+        return {"concurrency": concurrency, **window.result(), **info}
+    finally:
+        engine.close()
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mesh", default="2x1", help="data x model (data * model = devices)")
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--gen-budget", type=int, default=1024)
+    p.add_argument("--concurrency", type=int, default=128, help="requests per device")
+    p.add_argument("--turnover", type=float, default=0.05)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--hot-size", type=int, default=None)
+    p.add_argument("--gpu-blocks", type=int, default=None, help="device KV budget per shard")
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--measure-steps", type=int, default=48)
+    p.add_argument("--max-ramp-steps", type=int, default=2000)
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    try:
+        D, M = (int(n) for n in args.mesh.split("x"))
+    except ValueError:
+        p.error(f"--mesh must be DATAxMODEL, e.g. 2x1, got {args.mesh!r}")
+    if D * M != len(jax.devices()):
+        p.error(f"--mesh {args.mesh} needs {D * M} devices, there are {len(jax.devices())}")
+    args.concurrency = [args.concurrency]  # e2e_decode.plan_sizes reads a list
+    model = nn.init_model(args.config, seed=0)
+    sizes = e2e_decode.plan_sizes(args, model.cfg)
+    C = args.concurrency[0]
+    counter = e2e_decode.CompileCounter()
+
+    def mesh(m, ec):
+        return MeshEngine(m, ec, mesh_shape=(D, M))
+
+    runs = {
+        "hisparse-1": _run(model, args, sizes, mode="hisparse", concurrency=C, build=None,
+                           shards=1, counter=counter),
+        "hisparse-mesh": _run(model, args, sizes, mode="hisparse", concurrency=D * C,
+                              build=mesh, shards=D, counter=counter),
+        "all-resident-mesh": _run(model, args, sizes, mode="all-resident",
+                                  concurrency=D * C, build=mesh, shards=D, counter=counter),
+    }
+    for name, r in runs.items():
+        print(f"{name:>18}: {r['concurrency']:5d} requests {r['decode_tokens_per_s']:10.1f} "
+              f"tok/s  itl p50 {r['itl_ms_p50']:.2f} ms  hit {r['hit_rate']}")
+    tps = {k: r["decode_tokens_per_s"] for k, r in runs.items()}
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "machine": {"device": str(jax.devices()[0].device_kind), "devices": len(jax.devices()),
+                    "backend": jax.default_backend(), "jax": jax.__version__,
+                    "python": platform.python_version()},
+        "config": {"mesh": [D, M], "model": args.config, "context": args.context,
+                   "concurrency_per_device": C, "turnover": args.turnover, **sizes},
+        "results": runs,
+        "ratios": {"mesh_over_one_device": tps["hisparse-mesh"] / tps["hisparse-1"],
+                   "hisparse_over_all_resident_on_mesh":
+                       tps["hisparse-mesh"] / tps["all-resident-mesh"]},
+    }
+    out = Path(args.output or RESULTS / f"mesh_decode-{jax.default_backend()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["ratios"]), "->", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

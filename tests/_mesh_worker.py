@@ -1,0 +1,128 @@
+"""Runs `MeshEngine` on virtual CPU devices for `tests/test_mesh_engine.py` (a subprocess:
+the device count must be set before jax starts, and the main suite runs with one device).
+
+  python tests/_mesh_worker.py meshes OUT.json 4x1:hisparse 2x2:pressured 1x4:all_resident
+      The single-device `Engine` (all-resident, the reference) and a `MeshEngine` per
+      argument over 4 virtual devices, on the same requests; writes tokens and figures.
+  python tests/_mesh_worker.py process OUT.json MESH:MODE PORT PROCESS_ID
+      One of two processes (`jax.distributed`, 2 virtual devices each) running a
+      `MeshEngine` over the 4 global devices; writes its own shards' requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MODES = {"hisparse": {}, "pressured": {"num_gpu_blocks": 22},
+         "all_resident": {"all_resident": True}}
+CONFIG = dict(max_seats=4, max_model_len=64, block_size=4, prefill_bucket=64,
+              collect_attention=True, compilation_cache=False)
+NUM_REQUESTS, GEN = 6, 12
+
+
+def requests():
+    """(prompt, temperature) of each request: greedy and sampled ones."""
+    import numpy as np
+
+    return [(np.random.default_rng(i).integers(0, 512, 24 + 5 * i).tolist(),
+             0.0 if i % 2 == 0 else 0.8) for i in range(NUM_REQUESTS)]
+
+
+def run(engine):
+    """Adds the requests in order, runs; returns {request index: (tokens, attention)}."""
+    import numpy as np
+
+    ids = [engine.add_request(p, max_new_tokens=GEN, temperature=t) for p, t in requests()]
+    out = engine.run()
+    return {i: (out[rid].generated, np.stack(out[rid].attention).astype(np.float32))
+            for i, rid in enumerate(ids) if rid in out}
+
+
+def figures(engine):
+    s = engine.summary()
+    return {k: s[k] for k in ("hot_lookups", "spilled_pages", "fast_path_steps",
+                              "decode_steps", "finish_reasons")}
+
+
+def meshes(out_path, specs):
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    from hisparse_jax import nn
+    from hisparse_jax.engine import Engine, EngineConfig
+    from hisparse_jax.engine.mesh import MeshEngine
+
+    model = nn.init_model("tiny", seed=0)
+    ref = run(Engine(model, EngineConfig(**CONFIG, all_resident=True)))
+    record = {"reference": {i: t for i, (t, _) in ref.items()}, "meshes": {}}
+    for spec in specs:
+        shape, mode = spec.split(":")
+        engine = MeshEngine(model, EngineConfig(**CONFIG, **MODES[mode]),
+                            mesh_shape=tuple(int(n) for n in shape.split("x")))
+        got = run(engine)
+        record["meshes"][spec] = {
+            "tokens": {i: t for i, (t, _) in got.items()},
+            "attention_max_abs_diff": max(float(abs(a - ref[i][1]).max())
+                                          for i, (_, a) in got.items()),
+            "shards": [len(sh.scheduler.finished) for sh in engine.shards],
+            "traces": dict(engine.trace_counts), **figures(engine)}
+        engine.close()
+    record["errors"] = refusals(model)
+    with open(out_path, "w") as f:
+        json.dump(record, f)
+
+
+def refusals(model):
+    """The messages of the configurations a 4-device mesh engine refuses, by case."""
+    from flax import nnx
+
+    from hisparse_jax import nn
+    from hisparse_jax.engine import EngineConfig
+    from hisparse_jax.engine.mesh import MeshEngine
+
+    cases = {"seats": (model, dict(max_seats=6), (4, 1)),
+             "devices": (model, {}, (3, 1)),
+             # An abstract model (no initialisation): the check runs before any placement.
+             "heads": (nnx.eval_shape(lambda: nn.Transformer(nn.get_config("tiny", num_heads=2),
+                                                            rngs=nnx.Rngs(0))), {}, (1, 4))}
+    out = {}
+    for name, (m, kw, shape) in cases.items():
+        try:
+            MeshEngine(m, EngineConfig(**{**CONFIG, **kw}), mesh_shape=shape)
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def process(out_path, spec, port, process_id):
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from pallas_kernels import _compat
+
+    _compat.initialize_distributed(f"localhost:{port}", 2, int(process_id))
+    import jax
+
+    from hisparse_jax import nn
+    from hisparse_jax.engine import EngineConfig
+    from hisparse_jax.engine.mesh import MeshEngine
+
+    shape, mode = spec.split(":")
+    engine = MeshEngine(nn.init_model("tiny", seed=0), EngineConfig(**CONFIG, **MODES[mode]),
+                        mesh_shape=tuple(int(n) for n in shape.split("x")))
+    got = run(engine)
+    record = {"process": jax.process_index(), "devices": len(jax.devices()),
+              "local_devices": len(jax.local_devices()),
+              "shards": [sh.index for sh in engine.shards],
+              "tokens": {i: t for i, (t, _) in got.items()}, **figures(engine)}
+    engine.close()
+    with open(out_path, "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HISPARSE_JAX_COMPILATION_CACHE", "0")
+    command, out = sys.argv[1], sys.argv[2]
+    if command == "meshes":
+        meshes(out, sys.argv[3:])
+    else:
+        process(out, *sys.argv[3:])

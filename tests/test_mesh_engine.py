@@ -1,0 +1,130 @@
+"""The mesh engine (`hisparse_jax/engine/mesh.py`, `docs/mesh.md`) on virtual CPU devices.
+
+Each test runs `tests/_mesh_worker.py` in subprocesses (the virtual device count is fixed
+before jax starts; the main suite runs on one device): meshes 4x1, 2x2 and 1x4 in one
+process, and a 2x2 mesh over two processes (`jax.distributed`, 2 devices each). Every mesh
+engine must decode, for the same requests (greedy and sampled), the tokens of the
+single-device engine; attention outputs agree to bf16 rounding (the tensor-parallel split
+and the batch shape change the float rounding of the projections, `docs/mesh.md`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hisparse_jax import nn
+from hisparse_jax.engine.mesh import make_mesh, param_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_mesh_worker.py"
+ATTENTION_TOLERANCE = 0.05  # bf16 attention outputs of magnitude ~1-4: a few ulps
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HISPARSE_JAX_COMPILATION_CACHE="0",
+               JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _worker(*args, timeout=600):
+    return subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env=_env(),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _wait(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mesh") / "meshes.json"
+    _wait(_worker("meshes", out, "4x1:hisparse", "2x2:pressured", "1x4:all_resident"))
+    return json.loads(out.read_text())
+
+
+def test_every_mesh_decodes_the_single_device_tokens(meshes):
+    ref = meshes["reference"]
+    assert len(ref) == 6
+    for spec, run in meshes["meshes"].items():
+        assert run["tokens"] == ref, spec
+        assert run["finish_reasons"] == {"length": 6}, spec
+        assert 0 < run["attention_max_abs_diff"] < ATTENTION_TOLERANCE, spec
+        # One jitted step per variant for the whole mesh.
+        assert set(run["traces"].values()) == {1}, spec
+
+
+def test_admission_spreads_requests_over_the_data_shards(meshes):
+    for spec, run in meshes["meshes"].items():
+        shards = run["shards"]
+        assert sum(shards) == 6 and len(shards) == int(spec[0]), spec
+        assert min(shards) >= 1, spec
+
+
+def test_pressured_mesh_reads_through_hot_regions(meshes):
+    run = meshes["meshes"]["2x2:pressured"]
+    assert run["hot_lookups"] > 0 and run["spilled_pages"] > 0
+    assert run["traces"] == {"decode_fast": 1, "decode_hot": 1}
+    assert run["fast_path_steps"] < run["decode_steps"]
+    assert meshes["meshes"]["1x4:all_resident"]["spilled_pages"] == 0
+
+
+def test_bad_meshes_are_refused_naming_the_rule(meshes):
+    errors = meshes["errors"]
+    assert "EngineConfig.max_seats=6" in errors["seats"] and "data axis (4)" in errors["seats"]
+    assert "3x1" in errors["devices"] and "4 devices" not in errors["devices"]
+    assert "model axis (4)" in errors["heads"] and "w_uk" in errors["heads"]
+
+
+def test_param_specs_split_the_dense_kernels_over_the_model_axis():
+    import jax
+    from flax import nnx
+
+    _, state = nnx.split(nn.init_model("tiny", seed=0))
+    specs = param_specs(state, 2)
+    split = sum(any(s) for s in specs)
+    assert 0 < split < len(specs)  # norms stay replicated
+    with pytest.raises(ValueError, match="model axis \\(3\\) must divide"):
+        param_specs(state, 3)
+    with pytest.raises(ValueError, match="needs data \\* model = 2 devices"):
+        make_mesh((2, 1))
+    with pytest.raises(ValueError, match="mesh_shape must be"):
+        make_mesh((0, 1))
+    assert make_mesh((1, len(jax.devices()))).axis_names == ("data", "model")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("spec", ["2x2:pressured"])
+def test_two_processes_decode_the_single_device_tokens(tmp_path, spec):
+    from hisparse_jax.engine import Engine, EngineConfig
+    from tests import _mesh_worker
+
+    port = _free_port()
+    outs = [tmp_path / f"p{i}.json" for i in range(2)]
+    procs = [_worker("process", outs[i], spec, port, i) for i in range(2)]
+    for proc in procs:
+        _wait(proc)
+    records = [json.loads(o.read_text()) for o in outs]
+    ref = _mesh_worker.run(Engine(nn.init_model("tiny", seed=0),
+                                  EngineConfig(**_mesh_worker.CONFIG, all_resident=True)))
+    merged = {}
+    for i, r in enumerate(records):
+        assert r["process"] == i and r["devices"] == 4 and r["local_devices"] == 2
+        assert r["shards"] == [i]  # each process drives the data shard of its devices
+        assert r["tokens"] and not set(r["tokens"]) & set(merged)
+        merged.update(r["tokens"])
+    assert merged == {str(i): t for i, (t, _) in ref.items()}

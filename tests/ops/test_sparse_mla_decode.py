@@ -8,9 +8,10 @@ change no bit of the output), a NaN query row gives NaN out and lse for that row
 splits included, and all-masked rows stay 0 / -inf, on every backend; argument validation;
 the Triton kernel's CUDA lowering for every benchmark variant.
 fp8_ds_mla rows (uint8[656], `pallas_kernels/kv_format.py`) on the reference and Triton
-backends: against a float64 reference on the dequantized rows (holes, all-masked rows, odd K,
-K splits, v_width 256, the multi-query-row form), masked rows never read (fp8 NaN bytes, Inf /
-NaN scales, NaN rope in unselected rows), against bf16 rows of the same values (the error the
+backends, the Triton kernel in each of its fp8 modes (FP8_MODES): against a float64 reference
+on the dequantized rows (holes, all-masked rows, odd K, K splits, v_width 256, the
+multi-query-row form), masked rows never read (fp8 NaN bytes, Inf / NaN scales, NaN rope in
+unselected rows, NaN query rows), against bf16 rows of the same values (the error the
 format costs, printed), the Mosaic GPU kernel's refusal, validation, the CUDA lowering at real
 shapes, and the compiled kernel at real size on the GPU.
 GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three

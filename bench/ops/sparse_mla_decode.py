@@ -85,11 +85,17 @@ ATTENTION_SWEEP_EXTRA: dict[str, AttentionTuning] = {
 
 
 # The Triton kernel's fp8_ds_mla variants the GPU tests and the benchmark compare (the
-# default, `AttentionTuning()`, is bk32_s3): the word assembly of the scale and rope bytes
-# both ways (`AttentionTuning.fp8_words`).
+# default, `AttentionTuning()`, is bk32_s3): the byte words taken apart by reductions
+# ("contiguous", the default) or by splits (`AttentionTuning.fp8_words="split"`), and the
+# scales applied to the scores and P ("scores", the default) or folded into the bf16 tile
+# (`AttentionTuning.fp8_scale`: "tiles" = 4 group tiles, "tile512" = one 512-wide tile).
 FP8_ATTENTION_VARIANTS: dict[str, AttentionTuning] = {
     "bk32_s3": AttentionTuning(block_k=32, num_stages=3),
-    "bk32_s3_strided": AttentionTuning(block_k=32, num_stages=3, fp8_words="strided"),
+    "bk32_s3_split": AttentionTuning(block_k=32, num_stages=3, fp8_words="split"),
+    "bk32_s3_tiles": AttentionTuning(block_k=32, num_stages=3, fp8_words="split",
+                                     fp8_scale="tiles"),
+    "bk32_s3_t512": AttentionTuning(block_k=32, num_stages=3, fp8_words="split",
+                                    fp8_scale="tile512"),
 }
 # Benchmark-only fp8 candidates that may not build at every shape: with 64-row tiles the
 # kernel holds the pipelined byte tiles and their bf16 conversion in shared memory next to
@@ -97,8 +103,8 @@ FP8_ATTENTION_VARIANTS: dict[str, AttentionTuning] = {
 # GPU tests skip these.
 FP8_SWEEP_EXTRA: dict[str, AttentionTuning] = {
     "bk64_s2": AttentionTuning(block_k=64, num_stages=2),
-    "bk64_s2_w16": AttentionTuning(block_k=64, num_stages=2, num_warps=16),
-    "bk64_s3": AttentionTuning(block_k=64, num_stages=3),
+    "bk64_s2_t512": AttentionTuning(block_k=64, num_stages=2, fp8_words="split",
+                                    fp8_scale="tile512"),
 }
 FP8_CANDIDATES: dict[str, AttentionTuning] = {**FP8_ATTENTION_VARIANTS, **FP8_SWEEP_EXTRA}
 

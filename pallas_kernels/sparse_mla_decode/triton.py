@@ -21,14 +21,16 @@ NaN out and NaN lse for that head. K splits (flash-decoding) are combined in flo
 
 fp8 rows (`kv_format="fp8_ds_mla"`, uint8[656], layout in `pallas_kernels/kv_format.py`): the
 same program and online softmax; only the K-tile read differs (`_read_fp8_rows`): the latent
-arrives as four [block_k, 128] byte tiles, one per scale group, converted to bf16 in registers
-(float8_e4m3fn -> bf16 is exact), the 4 float32 scales and the 64 bf16 rope values are
-assembled from their bytes with integer shifts and same-width bitcasts (the Triton lowering
-bitcasts only between equal widths). The scales are applied per row, not per element: group
-g's partial score q_g . k_g is multiplied by scale_g (a [block_k] vector broadcast over the
-heads), and P times scale_g feeds group g's value product, whose [block_h, 128] accumulator is
-one of four. So no [block_k, 512] multiply and no extra rounding of the values: the bf16
-operands are the stored fp8 values exactly, the scales enter in float32.
+arrives as byte tiles converted in registers (float8_e4m3fn -> bf16 is exact), the 4 float32
+scales and the 64 bf16 rope values are assembled from their bytes with integer shifts and
+same-width bitcasts (the Triton lowering bitcasts only between equal widths; how the bytes are
+taken apart: `AttentionTuning.fp8_words`). Where the scales enter is
+`AttentionTuning.fp8_scale`: by default ("scores") per row, not per element: group g's partial
+score q_g . k_g is multiplied by scale_g (a [block_k] vector broadcast over the heads), and P
+times scale_g feeds group g's value product, whose [block_h, 128] accumulator is one of four,
+so the bf16 operands are the stored fp8 values exactly and the scales enter in float32.
+"tiles" / "tile512" multiply the scales into the tile and round it to bf16 once (as bf16 rows
+are rounded), so the dots and the conversion of P are those of bf16 rows.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from pallas_kernels import _compat, _triton
 from pallas_kernels import kv_format as kvf
 from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
 
-FP8_WORDS = ("contiguous", "strided")
+FP8_WORDS = ("contiguous", "strided", "split")
+FP8_SCALE = ("scores", "tiles", "tile512")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +68,18 @@ class AttentionTuning:
       addresses are ready at the top of the step and Triton's pipeliner can issue it ahead.
     fp8_words: how "fp8_ds_mla" rows' scale (float32) and rope (bf16) words are assembled from
       their bytes (`_load_words`): "contiguous" (one 16-byte-aligned load per row, reshaped
-      to [block_k, words, bytes] and combined) or "strided" (one strided load per byte
-      position, no 3-D reshape). Ignored for "bf16" rows.
+      to [block_k, words, bytes] and combined with a sum), "strided" (one strided load per
+      byte position, no 3-D reshape) or "split" (the contiguous load, its byte pairs taken
+      apart with `lax.unstack` of a trailing size-2 axis, Triton's `split`: no reduction;
+      the per-group scales come out of the [block_k, 4] tile the same way, not through
+      masked sums). Ignored for "bf16" rows.
+    fp8_scale: where "fp8_ds_mla" rows' per-group scales enter (`_read_fp8_rows`): "scores"
+      (the bf16 tiles are the stored fp8 values; group g's partial scores and the P of its
+      value product are multiplied by scale g: 4 + 4 dots, P converted per group), "tiles"
+      (each [block_k, 128] group tile is multiplied by its scale and rounded to bf16 once:
+      4 score dots summed unscaled, 4 value dots sharing one bf16 P) or "tile512" (the same
+      as one [block_k, 512] tile: one score dot of K = 512 and one value dot of N = 512).
+      "tiles" and "tile512" round the dequantized values to bf16, as bf16 rows are.
     The defaults are the sweep's choice (`bench/NOTES-sparse_mla.md`).
     """
 
@@ -77,6 +90,7 @@ class AttentionTuning:
     num_splits: int | None = None
     prefetch_ids: bool = True
     fp8_words: str = "contiguous"
+    fp8_scale: str = "scores"
 
     def __post_init__(self) -> None:
         if self.block_h is not None and (not _triton.is_pow2(self.block_h)
@@ -97,6 +111,9 @@ class AttentionTuning:
         if self.fp8_words not in FP8_WORDS:
             raise ValueError(f"AttentionTuning.fp8_words must be one of {FP8_WORDS}, "
                              f"got {self.fp8_words!r}")
+        if self.fp8_scale not in FP8_SCALE:
+            raise ValueError(f"AttentionTuning.fp8_scale must be one of {FP8_SCALE}, "
+                             f"got {self.fp8_scale!r}")
 
 
 DEFAULT = AttentionTuning()
@@ -187,6 +204,12 @@ def _read_float_rows(kv_ref, safe, valid, *, pieces):
     return keys, [None] * len(keys), [(keys[0], None)]
 
 
+def _halves(x):
+    """x [..., 2n] -> (x[..., 0::2], x[..., 1::2]), each [..., n]: a reshape to [..., n, 2]
+    and `lax.unstack` of the trailing pair (Triton's `split`, no reduction)."""
+    return lax.unstack(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1)
+
+
 def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype, how: str):
     """unsigned `dtype` [block_k, count]: the little-endian words of `nbytes` bytes each at
     bytes [start, start + count * nbytes) of the selected rows (zeros where masked).
@@ -195,9 +218,23 @@ def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype,
     vectorises), reshaped to [block_k, count, nbytes], widened, each byte shifted into place
     and the disjoint bytes summed. "strided": one [block_k, count] load per byte position b
     (columns start + nbytes * j + b), widened, shifted and OR-ed: no 3-D reshape, but byte
-    loads. The caller bitcasts the words to their float type (the Triton lowering bitcasts
-    only between equal widths).
+    loads. "split": the contiguous load, its bytes taken apart by position with `_halves`
+    (nbytes 2 or 4), widened, shifted and OR-ed: no reduction. The caller bitcasts the words
+    to their float type (the Triton lowering bitcasts only between equal widths).
     """
+    if how == "split":
+        tile = _masked_load(kv_ref, safe, valid, _cols(start, count * nbytes))
+        # parts[j] holds the bytes at positions = j (mod len(parts)) of each word: halving
+        # every part doubles the modulus, ending at parts[b] = byte b of every word.
+        parts = [tile]
+        while len(parts) < nbytes:
+            halves = [_halves(p) for p in parts]
+            parts = [h[0] for h in halves] + [h[1] for h in halves]
+        word = None
+        for b, part in enumerate(parts):
+            shifted = part.astype(dtype) << dtype(8 * b)
+            word = shifted if word is None else word | shifted
+        return word
     if how == "contiguous":
         tile = _masked_load(kv_ref, safe, valid, _cols(start, count * nbytes))
         parts = tile.reshape(tile.shape[0], count, nbytes).astype(dtype)
@@ -211,46 +248,78 @@ def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype,
     return word
 
 
-def _read_fp8_rows(kv_ref, safe, valid, *, value_groups, words):
+def _scale_columns(scale_tile, how: str):
+    """float32 [block_k, 4] -> the 4 per-group scales, each float32 [block_k]: `_halves`
+    twice ("split") or a masked row sum per group (the other word modes)."""
+    if how == "split":
+        even, odd = _halves(scale_tile)                  # groups (0, 2) and (1, 3)
+        (s0, s2), (s1, s3) = _halves(even), _halves(odd)
+        return [s0[:, 0], s1[:, 0], s2[:, 0], s3[:, 0]]
+    group = jnp.arange(kvf.NUM_GROUPS, dtype=jnp.int32)[None, :]
+    return [jnp.sum(jnp.where(group == g, scale_tile, 0.0), axis=1)
+            for g in range(kvf.NUM_GROUPS)]
+
+
+def _read_fp8_rows(kv_ref, safe, valid, *, value_groups, words, scale):
     """"fp8_ds_mla" rows (uint8[656], `pallas_kernels/kv_format.py`), decoded in registers:
 
-    * latent: four [block_k, 128] byte tiles (one per scale group, bytes [128g, 128g + 128)),
-      bitcast to float8_e4m3fn and converted to bfloat16 (exact: every e4m3 value is a bf16
-      value);
-    * scales: bytes [512, 528) as 4 uint32 words per row (`_load_words`), bitcast to float32;
-      scale g is column g of that [block_k, 4] tile, taken out with a masked row sum;
+    * latent: bytes [0, 512), bitcast to float8_e4m3fn;
+    * scales: bytes [512, 528) as 4 uint32 words per row (`_load_words`), bitcast to float32
+      ([block_k, 4]; per group a [block_k] vector, `_scale_columns`);
     * rope: bytes [528, 656) as 64 uint16 words per row, bitcast to bfloat16.
-    The latent loads are contiguous 128-byte runs at 16-byte-aligned offsets (656 = 16 * 41),
-    so they vectorise. The scales are never multiplied into the tiles: group g's scores and
-    the P fed to group g's value product are scaled per row instead (`_attention_kernel`).
+    The latent loads are contiguous runs at 16-byte-aligned offsets (656 = 16 * 41), so they
+    vectorise. `scale` (`AttentionTuning.fp8_scale`):
+    "scores": four [block_k, 128] group tiles converted to bfloat16 (exact: every e4m3 value
+      is a bf16 value), never multiplied: group g's scores and the P fed to group g's value
+      product are scaled per row instead (`_attention_kernel`);
+    "tiles": each group tile times its scale in float32, rounded to bfloat16 once: four key
+      tiles without factors, the same four as values;
+    "tile512": one [block_k, 512] byte tile, scaled as [block_k, 4, 128] by the [block_k, 4]
+      scales, rounded to bfloat16: one latent key tile, also the value (v_width 512 only:
+      `_fp8_scale_mode` picks "tiles" for narrower values).
     """
-    latent = [lax.bitcast_convert_type(
-        _masked_load(kv_ref, safe, valid, _cols(g * kvf.GROUP, kvf.GROUP)),
-        jnp.float8_e4m3fn).astype(jnp.bfloat16) for g in range(kvf.NUM_GROUPS)]
     scale_tile = lax.bitcast_convert_type(
         _load_words(kv_ref, safe, valid, kvf.SCALE_OFFSET, kvf.NUM_GROUPS, 4, jnp.uint32,
                     words), jnp.float32)                                 # [block_k, 4]
-    group = jnp.arange(kvf.NUM_GROUPS, dtype=jnp.int32)[None, :]
-    scales = [jnp.sum(jnp.where(group == g, scale_tile, 0.0), axis=1)
-              for g in range(kvf.NUM_GROUPS)]
     rope = lax.bitcast_convert_type(
         _load_words(kv_ref, safe, valid, kvf.ROPE_OFFSET, kvf.ROPE_DIM, 2, jnp.uint16, words),
         jnp.bfloat16)                                                    # [block_k, 64]
+    if scale == "tile512":
+        fp8 = lax.bitcast_convert_type(
+            _masked_load(kv_ref, safe, valid, _cols(0, kvf.LATENT_DIM)), jnp.float8_e4m3fn)
+        bk = fp8.shape[0]
+        latent = (fp8.astype(jnp.float32).reshape(bk, kvf.NUM_GROUPS, kvf.GROUP)
+                  * scale_tile[:, :, None]).reshape(bk, kvf.LATENT_DIM).astype(jnp.bfloat16)
+        return [latent, rope], [None, None], [(latent, None)]
+    fp8 = [lax.bitcast_convert_type(
+        _masked_load(kv_ref, safe, valid, _cols(g * kvf.GROUP, kvf.GROUP)),
+        jnp.float8_e4m3fn) for g in range(kvf.NUM_GROUPS)]
+    scales = _scale_columns(scale_tile, words)
+    if scale == "tiles":
+        latent = [(fp8[g].astype(jnp.float32) * scales[g][:, None]).astype(jnp.bfloat16)
+                  for g in range(kvf.NUM_GROUPS)]
+        values = [(latent[g], None) for g in range(value_groups)]
+        return [*latent, rope], [None] * (kvf.NUM_GROUPS + 1), values
+    latent = [f.astype(jnp.bfloat16) for f in fp8]
     values = [(latent[g], scales[g]) for g in range(value_groups)]
     return [*latent, rope], [*scales, None], values
 
 
-def _q_pieces(width: int, v_width: int, kv_format: str) -> tuple[tuple[int, int], ...]:
+def _q_pieces(width: int, v_width: int, kv_format: str,
+              fp8_scale: str = "scores") -> tuple[tuple[int, int], ...]:
     """(start, size) column pieces of q, one per key tile of the format's reader."""
     if kv_format == kvf.FP8_DS_MLA:
+        if fp8_scale == "tile512":
+            return ((0, kvf.LATENT_DIM), (kvf.LATENT_DIM, kvf.ROPE_DIM))
         return (*((g * kvf.GROUP, kvf.GROUP) for g in range(kvf.NUM_GROUPS)),
                 (kvf.LATENT_DIM, kvf.ROPE_DIM))
     return _row_pieces(width, v_width)
 
 
-def _value_pieces(v_width: int, kv_format: str) -> tuple[tuple[int, int], ...]:
+def _value_pieces(v_width: int, kv_format: str,
+                  fp8_scale: str = "scores") -> tuple[tuple[int, int], ...]:
     """(output column, size) of each value tile of the format's reader."""
-    if kv_format == kvf.FP8_DS_MLA:
+    if kv_format == kvf.FP8_DS_MLA and fp8_scale != "tile512":
         return tuple((g * kvf.GROUP, kvf.GROUP) for g in range(v_width // kvf.GROUP))
     return ((0, v_width),)
 
@@ -296,10 +365,19 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + jnp.sum(p, axis=1)
+        p_cast = {}                      # unscaled P, converted once per operand dtype
+
+        def p_for(tile, vs):
+            if vs is not None:
+                return (p * vs[None, :]).astype(tile.dtype)
+            if tile.dtype not in p_cast:
+                p_cast[tile.dtype] = p.astype(tile.dtype)
+            return p_cast[tile.dtype]
+
         accs = tuple(
             acc * alpha[:, None] + lax.dot_general(
-                (p if vs is None else p * vs[None, :]).astype(tile.dtype), tile,
-                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                p_for(tile, vs), tile, (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32)
             for acc, (tile, vs) in zip(accs, values, strict=True))
         if prefetch_ids:
             return accs, m_new, l_i, ids_next
@@ -320,6 +398,14 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
         plgpu.store(out_ref.at[t, s, heads, _cols(col, size)], (acc / inv).astype(out_ref.dtype))
     lse2 = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
     plgpu.store(lse_ref.at[t, s, heads[:, 0]], lse2)
+
+
+def _fp8_scale_mode(cfg: AttentionTuning, v_width: int) -> str:
+    """`cfg.fp8_scale`, except "tile512" with v_width < 512 (a value tile narrower than the
+    key tile, possibly not a power of two) runs as "tiles"."""
+    if cfg.fp8_scale == "tile512" and v_width != kvf.LATENT_DIM:
+        return "tiles"
+    return cfg.fp8_scale
 
 
 def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> int:
@@ -361,9 +447,10 @@ def sparse_mla_decode(
     reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format)
     if reason is not None:
         raise ValueError(reason)
+    fp8_scale = _fp8_scale_mode(cfg, v_width)
     if kv_format == kvf.FP8_DS_MLA:
         read = functools.partial(_read_fp8_rows, value_groups=v_width // kvf.GROUP,
-                                 words=cfg.fp8_words)
+                                 words=cfg.fp8_words, scale=fp8_scale)
     else:
         read = functools.partial(_read_float_rows, pieces=_row_pieces(width, v_width))
     block_h = cfg.block_h or min(64, max(16, _triton.pow2_ceil(h_q)))
@@ -376,8 +463,9 @@ def sparse_mla_decode(
     steps = pl.cdiv(num_chunks, splits)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, splits * steps * bk)
     kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
-                               q_pieces=_q_pieces(width, v_width, kv_format),
-                               v_pieces=_value_pieces(v_width, kv_format), read=read,
+                               q_pieces=_q_pieces(width, v_width, kv_format, fp8_scale),
+                               v_pieces=_value_pieces(v_width, kv_format, fp8_scale),
+                               read=read,
                                scale2=float(sm_scale) * LOG2E, prefetch_ids=cfg.prefetch_ids)
 
     def call(q_pad, kv_rows, rows):

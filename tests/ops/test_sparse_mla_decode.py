@@ -8,9 +8,10 @@ change no bit of the output), a NaN query row gives NaN out and lse for that row
 splits included, and all-masked rows stay 0 / -inf, on every backend; argument validation;
 the Triton kernel's CUDA lowering for every benchmark variant.
 fp8_ds_mla rows (uint8[656], `pallas_kernels/kv_format.py`) on the reference and Triton
-backends: against a float64 reference on the dequantized rows (holes, all-masked rows, odd K,
-K splits, v_width 256, the multi-query-row form), masked rows never read (fp8 NaN bytes, Inf /
-NaN scales, NaN rope in unselected rows), against bf16 rows of the same values (the error the
+backends, the Triton kernel in each of its fp8 modes (FP8_MODES): against a float64 reference
+on the dequantized rows (holes, all-masked rows, odd K, K splits, v_width 256, the
+multi-query-row form), masked rows never read (fp8 NaN bytes, Inf / NaN scales, NaN rope in
+unselected rows, NaN query rows), against bf16 rows of the same values (the error the
 format costs, printed), the Mosaic GPU kernel's refusal, validation, the CUDA lowering at real
 shapes, and the compiled kernel at real size on the GPU.
 GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three
@@ -387,6 +388,10 @@ def test_triton_tuning_rejects_bad_knobs():
         tk.AttentionTuning(block_h=128)
     with pytest.raises(ValueError, match="num_warps"):
         tk.AttentionTuning(num_warps=2)
+    with pytest.raises(ValueError, match="fp8_words"):
+        tk.AttentionTuning(fp8_words="views")
+    with pytest.raises(ValueError, match="fp8_scale"):
+        tk.AttentionTuning(fp8_scale="rows")
     tk.AttentionTuning(num_warps=16)                    # 16 warps at 64 heads is a candidate
 
 
@@ -427,42 +432,73 @@ FP8_CASES = {   # (n, h, top_k, hole_frac, invalid_rows, triton tuning knobs)
 }
 
 
-@pytest.mark.parametrize("backend", FP8_BACKENDS)
+# The Triton kernel's fp8 modes (`AttentionTuning.fp8_words` / `fp8_scale`) every fp8 test of
+# the Triton backend runs: the default, the split word assembly, the scales folded into the
+# group tiles and into one 512-wide tile.
+FP8_MODES = {
+    "default": {},
+    "split": {"fp8_words": "split"},
+    "tiles": {"fp8_words": "split", "fp8_scale": "tiles"},
+    "tile512": {"fp8_words": "split", "fp8_scale": "tile512"},
+    "tile512_contiguous": {"fp8_scale": "tile512"},
+}
+
+
+def _fp8_params() -> list:
+    """pytest params (backend, mode): the reference once, the Triton kernel per FP8_MODES."""
+    params = []
+    for p in FP8_BACKENDS:
+        name = p.values[0]
+        for mode in (FP8_MODES if name == "triton" else ["default"]):
+            params.append(pytest.param(name, mode, marks=p.marks, id=f"{name}-{mode}"))
+    return params
+
+
+def _fp8_config(backend, mode, **knobs):
+    """The Triton tuning of `mode` plus `knobs`, or None (other backends)."""
+    return tk.AttentionTuning(**{**knobs, **FP8_MODES[mode]}) if backend == "triton" else None
+
+
+@pytest.mark.parametrize("backend, mode", _fp8_params())
 @pytest.mark.parametrize("case", list(FP8_CASES))
-def test_fp8_matches_float64_on_dequantized_rows(backend, case):
+def test_fp8_matches_float64_on_dequantized_rows(backend, mode, case):
     """fp8 rows against the float64 reference on their dequantized values: relative error of
     out <= 1e-2 (the issue's target), lse to 1e-3; all-masked rows 0 / -inf."""
     n, h, top_k, hole_frac, invalid, knobs = FP8_CASES[case]
     q, _, kv8, rows = make_fp8_inputs(50 + n + top_k, n, h, top_k, 300, hole_frac=hole_frac,
                                       invalid_rows=invalid)
-    cfg = tk.AttentionTuning(**knobs) if backend == "triton" else None
+    if mode != "default":
+        knobs = {k: v for k, v in knobs.items() if k != "fp8_words"}
+    cfg = _fp8_config(backend, mode, **knobs)
     out, lse = sparse_mla_decode(q, kv8, rows, sm_scale=SM_SCALE, kv_format=FP8,
                                  backend=backend, config=cfg)
     assert out.shape == (n, h, 512) and out.dtype == jnp.bfloat16
     assert lse.shape == (n, h) and lse.dtype == jnp.float32
     err = assert_close_fp8(out, lse, q, kv8, rows)
-    print(f"fp8 {backend} {case}: relative error vs float64 on dequantized rows {err:.2e}")
+    print(f"fp8 {backend} {mode} {case}: relative error vs float64 on dequantized rows "
+          f"{err:.2e}")
     for r in invalid:
         assert np.all(np.asarray(out, np.float32)[r] == 0.0)
         assert np.all(np.asarray(lse)[r] == -np.inf)
 
 
-@pytest.mark.parametrize("backend", FP8_BACKENDS)
-def test_fp8_multi_query_rows_and_v_width(backend):
+@pytest.mark.parametrize("backend, mode", _fp8_params())
+def test_fp8_multi_query_rows_and_v_width(backend, mode):
     """The [N, s_q, h_q, D] form over a paged fp8 cache equals the flat form; v_width 256
     (two scale groups) is the first 256 dequantized latent values."""
     q, _, kv8, rows = make_fp8_inputs(60, 2, 4, 24, 80, s_q=2, invalid_rows=(3,))
+    cfg = _fp8_config(backend, mode)
     out, lse = sparse_mla_decode(q, kv8, rows, sm_scale=SM_SCALE, kv_format=FP8,
-                                 backend=backend)
+                                 backend=backend, config=cfg)
     assert out.shape == (2, 2, 4, 512) and lse.shape == (2, 2, 4)
     flat_out, flat_lse = sparse_mla_decode(q.reshape(4, 4, 576), kv8.reshape(-1, 656),
                                            rows.reshape(4, 24), sm_scale=SM_SCALE,
-                                           kv_format=FP8, backend=backend)
+                                           kv_format=FP8, backend=backend, config=cfg)
     np.testing.assert_array_equal(np.asarray(out).reshape(4, 4, 512), np.asarray(flat_out))
     np.testing.assert_array_equal(np.asarray(lse).reshape(4, 4), np.asarray(flat_lse))
     assert_close_fp8(out, lse, q, kv8, rows)
     out256, lse256 = sparse_mla_decode(q, kv8, rows, sm_scale=SM_SCALE, v_width=256,
-                                       kv_format=FP8, backend=backend)
+                                       kv_format=FP8, backend=backend, config=cfg)
     assert out256.shape == (2, 2, 4, 256)
     assert_close_fp8(out256, lse256, q, kv8, rows, v_width=256)
 
@@ -493,12 +529,12 @@ def poisoned_fp8_inputs(seed, n, h, top_k, num_rows):
             nan_rows)
 
 
-@pytest.mark.parametrize("backend", FP8_BACKENDS)
-def test_fp8_masked_rows_are_never_read(backend):
+@pytest.mark.parametrize("backend, mode", _fp8_params())
+def test_fp8_masked_rows_are_never_read(backend, mode):
     """fp8 rows holding NaN / Inf bytes (POISON_FP8_ROWS, row 0 among them) that no entry
     selects change no bit of the output; the all-masked row is 0 / -inf; a NaN query row
     (head) gives NaN out and lse for that row (head) only, across K splits too."""
-    cfg = tk.AttentionTuning(num_splits=2, block_k=16) if backend == "triton" else None
+    cfg = _fp8_config(backend, mode, num_splits=2, block_k=16)
     check_poisoned_run(*poisoned_fp8_inputs(31, 4, 16, 128, 300), backend, cfg,
                        kv_format=FP8)
 
@@ -568,10 +604,11 @@ def test_fp8_triton_variants_lower_to_triton():
                                              tuning=cfg),
                            sds((64, h, 576), jnp.bfloat16), sds((1 << 16, 656), jnp.uint8),
                            sds((64, 2048)))
-    lower_for_cuda(functools.partial(tk.sparse_mla_decode, sm_scale=0.1, kv_format=FP8,
-                                     v_width=256),
-                   sds((1, 16, 576), jnp.bfloat16), sds((1 << 16, 656), jnp.uint8),
-                   sds((1, 1999)))
+    for knobs in FP8_MODES.values():
+        lower_for_cuda(functools.partial(tk.sparse_mla_decode, sm_scale=0.1, kv_format=FP8,
+                                         v_width=256, tuning=tk.AttentionTuning(**knobs)),
+                       sds((1, 16, 576), jnp.bfloat16), sds((1 << 16, 656), jnp.uint8),
+                       sds((1, 1999)))
 
 
 # ------------------------------------------------------------------ compiled kernel (GPU)

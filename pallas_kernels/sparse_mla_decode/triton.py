@@ -117,6 +117,10 @@ class AttentionTuning:
 
 
 DEFAULT = AttentionTuning()
+# fp8_ds_mla rows with 64 heads or more per program: scales folded into the tiles and the
+# words split from byte pairs (the fastest fp8 candidate of bench/ops/sparse_mla_decode.py at
+# h_q = 128; at h_q = 16 the default measured faster).
+DEFAULT_FP8_WIDE = AttentionTuning(fp8_words="split", fp8_scale="tiles")
 
 
 def _row_pieces(width: int, v_width: int) -> tuple[tuple[int, int], ...] | None:
@@ -441,8 +445,9 @@ def sparse_mla_decode(
     Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
     Raises ValueError with `supports`' reason for inputs it cannot run.
     """
-    cfg = tuning or DEFAULT
     num_rows, h_q, width = q.shape
+    cfg = tuning or (DEFAULT_FP8_WIDE if kv_format == kvf.FP8_DS_MLA and h_q >= 64
+                     else DEFAULT)
     top_k = attention_rows.shape[1]
     reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format)
     if reason is not None:

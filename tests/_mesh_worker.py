@@ -1,9 +1,10 @@
 """Runs `MeshEngine` on virtual CPU devices for `tests/test_mesh_engine.py` (a subprocess:
 the device count must be set before jax starts, and the main suite runs with one device).
 
-  python tests/_mesh_worker.py meshes OUT.json 4x1:hisparse 2x2:pressured 1x4:all_resident
+  python tests/_mesh_worker.py meshes OUT.json 4x1:hisparse 2x2:pressured:warmup 1x4:all_resident
       The single-device `Engine` (all-resident, the reference) and a `MeshEngine` per
       argument over 4 virtual devices, on the same requests; writes tokens and figures.
+      ":warmup": `MeshEngine.warmup()` first, and the compiles of the run are counted.
   python tests/_mesh_worker.py process OUT.json MESH:MODE PORT PROCESS_ID
       One of two processes (`jax.distributed`, 2 virtual devices each) running a
       `MeshEngine` over the 4 global devices; writes its own shards' requests.
@@ -51,21 +52,33 @@ def meshes(out_path, specs):
     from hisparse_jax import nn
     from hisparse_jax.engine import Engine, EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
+    from hisparse_jax.engine.metrics import CompileWatch
 
     model = nn.init_model("tiny", seed=0)
     ref = run(Engine(model, EngineConfig(**CONFIG, all_resident=True)))
     record = {"reference": {i: t for i, (t, _) in ref.items()}, "meshes": {}}
     for spec in specs:
-        shape, mode = spec.split(":")
+        shape, mode, *flags = spec.split(":")
         engine = MeshEngine(model, EngineConfig(**CONFIG, **MODES[mode]),
                             mesh_shape=tuple(int(n) for n in shape.split("x")))
+        warm = {}
+        if "warmup" in flags:
+            CompileWatch.start()
+            compiles = CompileWatch.count
+            warm["warmup_seconds"] = engine.warmup()
+            warm["warmup_compiles"] = CompileWatch.count - compiles
+            warm["metrics_warmup_seconds"] = engine.metrics.warmup_seconds
+            compiles = CompileWatch.count
         got = run(engine)
-        record["meshes"][spec] = {
+        if "warmup" in flags:
+            warm["served_compiles"] = CompileWatch.count - compiles
+            warm["compile_seconds"] = engine.summary()["compile_seconds"]
+        record["meshes"][f"{shape}:{mode}"] = {
             "tokens": {i: t for i, (t, _) in got.items()},
             "attention_max_abs_diff": max(float(abs(a - ref[i][1]).max())
                                           for i, (_, a) in got.items()),
             "shards": [len(sh.scheduler.finished) for sh in engine.shards],
-            "traces": dict(engine.trace_counts), **figures(engine)}
+            "traces": dict(engine.trace_counts), **figures(engine), **warm}
         engine.close()
     record["errors"] = refusals(model)
     with open(out_path, "w") as f:

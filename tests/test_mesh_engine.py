@@ -48,7 +48,8 @@ def _wait(proc, timeout=600):
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "meshes.json"
-    _wait(_worker("meshes", out, "4x1:hisparse", "2x2:pressured", "1x4:all_resident"))
+    _wait(_worker("meshes", out, "4x1:hisparse", "2x2:pressured:warmup",
+                    "1x4:all_resident"))
     return json.loads(out.read_text())
 
 
@@ -61,6 +62,16 @@ def test_every_mesh_decodes_the_single_device_tokens(meshes):
         assert 0 < run["attention_max_abs_diff"] < ATTENTION_TOLERANCE, spec
         # One jitted step per variant for the whole mesh.
         assert set(run["traces"].values()) == {1}, spec
+
+
+def test_warmup_compiles_every_mesh_step_a_run_reaches(meshes):
+    # The 2x2 engine ran `MeshEngine.warmup()` first (both decode variants, under pressure):
+    # the served run compiled nothing and decoded the single-device tokens (checked above).
+    run = meshes["meshes"]["2x2:pressured"]
+    assert run["warmup_compiles"] > 0 and run["served_compiles"] == 0
+    assert run["warmup_seconds"] > 0 and run["metrics_warmup_seconds"] == run["warmup_seconds"]
+    assert run["compile_seconds"] == 0.0  # the step clock counts every first call as warm
+    assert run["traces"] == {"decode_fast": 1, "decode_hot": 1}
 
 
 def test_admission_spreads_requests_over_the_data_shards(meshes):

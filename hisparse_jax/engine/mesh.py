@@ -532,6 +532,15 @@ class MeshEngine(Engine):
                 steps[i] = req.live - 1
         compiles = CompileWatch.count
         t0 = time.perf_counter()
+        next_tokens, aux = self._mesh_decode(residency, tokens, positions, state_rows,
+                                             temperature, seeds, steps)
+        return decode, residency, next_tokens, aux, t0, compiles
+
+    def _mesh_decode(self, residency: Residency, tokens: np.ndarray, positions: np.ndarray,
+                     state_rows: np.ndarray, temperature: np.ndarray, seeds: np.ndarray,
+                     steps: np.ndarray) -> tuple[jax.Array, dict]:
+        """The mesh decode step of `residency`'s variant on host-built [D * seats] operands;
+        the shards' runners get the new caches. Returns (sampled tokens, aux)."""
         runners = [sh.runner for sh in self.shards]
         cache = self._global_tree([_with_residency(r.cache, residency) for r in runners])
         tables = tuple(self._global([getattr(r.tables, g) for r in runners])
@@ -550,7 +559,7 @@ class MeshEngine(Engine):
             local = [_view(x, sh.sharding, (x.shape[0] // self.num_data_shards, *x.shape[1:]))
                      for x in leaves]
             sh.runner._set_cache(jax.tree.unflatten(treedef, local))
-        return decode, residency, next_tokens, aux, t0, compiles
+        return next_tokens, aux
 
     def _local_blocks(self, x: jax.Array, axis: int = 0) -> dict[int, np.ndarray]:
         """The blocks of global array `x` (split over "data" on `axis`) of the local shards."""
@@ -582,7 +591,39 @@ class MeshEngine(Engine):
     # ------------------------------------------------------------------ the rest
 
     def warmup(self) -> float:
-        raise NotImplementedError("MeshEngine.warmup: not yet (the first steps compile)")
+        """`Engine.warmup` for the mesh: every shard's runner compiles its prefill lengths,
+        block-table, hot-state and spill buckets (`Runner.warmup`, without its own decode
+        variants, which the mesh engine never calls), then each mesh decode variant the mode
+        can reach runs once over the whole mesh with every seat padding (state row -1:
+        writes and selects nothing), so that no served step compiles. Changes no state a
+        request can see. Collective with several processes (every process calls it).
+        Returns the seconds it took (also in `metrics.warmup_seconds`).
+
+        Raises:
+          RuntimeError: a request is running (call it before serving, or when none runs).
+        """
+        running = self.scheduler.running
+        if running:
+            raise RuntimeError(f"MeshEngine.warmup: {len(running)} requests are running; call "
+                               "it before serving or when none runs")
+        t0 = time.perf_counter()
+        variants: list[Hashable] = []
+        for sh in self.shards:
+            variants += sh.runner.warmup(
+                max_spill_pages=getattr(sh.scheduler.manager, "max_spill_pages", 1),
+                decode=False)
+        self._topk_global = None  # a top-k source's warmup admission rewrote a free seat
+        n = self.num_data_shards * self.hs_config.max_num_reqs
+        zeros = np.zeros(n, np.int32)
+        for name, residency in self.shards[0].runner._reachable_variants():
+            jax.block_until_ready(self._mesh_decode(
+                residency, zeros, zeros, np.full(n, -1, np.int32), np.zeros(n, np.float32),
+                zeros, zeros))
+            variants.append(name)
+        self._clock.mark_compiled(variants)
+        seconds = time.perf_counter() - t0
+        self.metrics.warmup_seconds += seconds
+        return seconds
 
     def device_bytes(self) -> int:
         """Bytes of parameters (each device's share, summed) and every shard's caches, index

@@ -1,9 +1,11 @@
 """Runs `MeshEngine` on virtual CPU devices for `tests/test_mesh_engine.py` (a subprocess:
 the device count must be set before jax starts, and the main suite runs with one device).
 
-  python tests/_mesh_worker.py meshes OUT.json 4x1:hisparse 2x2:pressured 1x4:all_resident
+  python tests/_mesh_worker.py meshes OUT.json 4x1:hisparse 2x2:pressured:warmup 1x4:all_resident
       The single-device `Engine` (all-resident, the reference) and a `MeshEngine` per
       argument over 4 virtual devices, on the same requests; writes tokens and figures.
+      ":warmup": `MeshEngine.warmup()` first, and the compiles of the run are counted;
+      ":recover": then the requests again with failures injected (`faults`).
   python tests/_mesh_worker.py process OUT.json MESH:MODE PORT PROCESS_ID
       One of two processes (`jax.distributed`, 2 virtual devices each) running a
       `MeshEngine` over the 4 global devices; writes its own shards' requests.
@@ -51,25 +53,118 @@ def meshes(out_path, specs):
     from hisparse_jax import nn
     from hisparse_jax.engine import Engine, EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
+    from hisparse_jax.engine.metrics import CompileWatch
 
     model = nn.init_model("tiny", seed=0)
     ref = run(Engine(model, EngineConfig(**CONFIG, all_resident=True)))
     record = {"reference": {i: t for i, (t, _) in ref.items()}, "meshes": {}}
     for spec in specs:
-        shape, mode = spec.split(":")
+        shape, mode, *flags = spec.split(":")
         engine = MeshEngine(model, EngineConfig(**CONFIG, **MODES[mode]),
                             mesh_shape=tuple(int(n) for n in shape.split("x")))
+        warm = {}
+        if "warmup" in flags:
+            CompileWatch.start()
+            compiles = CompileWatch.count
+            warm["warmup_seconds"] = engine.warmup()
+            warm["warmup_compiles"] = CompileWatch.count - compiles
+            warm["metrics_warmup_seconds"] = engine.metrics.warmup_seconds
+            compiles = CompileWatch.count
         got = run(engine)
-        record["meshes"][spec] = {
+        if "warmup" in flags:
+            warm["served_compiles"] = CompileWatch.count - compiles
+            warm["compile_seconds"] = engine.summary()["compile_seconds"]
+        record["meshes"][f"{shape}:{mode}"] = {
             "tokens": {i: t for i, (t, _) in got.items()},
             "attention_max_abs_diff": max(float(abs(a - ref[i][1]).max())
                                           for i, (_, a) in got.items()),
             "shards": [len(sh.scheduler.finished) for sh in engine.shards],
-            "traces": dict(engine.trace_counts), **figures(engine)}
+            "traces": dict(engine.trace_counts), **figures(engine), **warm}
+        if "recover" in flags:
+            record["meshes"][f"{shape}:{mode}"]["recovery"] = faults(engine)
         engine.close()
     record["errors"] = refusals(model)
     with open(out_path, "w") as f:
         json.dump(record, f)
+
+
+def _failing(fns, at):
+    """Wraps the jitted mesh decode variants `fns` ({name: fn}, sharing one call count):
+    call number `at[k]` raises, before calling (k = "before") or after (k = "after": the
+    donated caches are then gone)."""
+    calls = [0]
+
+    def wrap(fn):
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == at["before"]:
+                raise RuntimeError("injected failure before the call")
+            out = fn(*args, **kwargs)
+            if calls[0] == at["after"]:
+                import jax
+                jax.block_until_ready(out)
+                raise RuntimeError("injected failure after the call")
+            return out
+        return wrapped
+
+    return {name: wrap(fn) for name, fn in fns.items()}
+
+
+def faults(engine):
+    """The requests again (their sampling seeds as in `run`) on `engine`, warmed and idle,
+    with one request whose admission raises, one whose prefill raises, and the mesh decode
+    call raising once before and once after the call; steps until done, catching what a step
+    raises. Returns the tokens, finish reasons and errors by request, and the figures."""
+    from host_tier import Coordinator
+
+    out = {"raised": []}
+    for sh in engine.shards:
+        manager, runner = sh.scheduler.manager, sh.runner
+        admit, prefill = manager.admit, runner.prefill
+
+        def failing_admit(rid, tokens, admit=admit, **kw):
+            if rid == "bad-admit":
+                raise RuntimeError("admission exploded")
+            return admit(rid, tokens, **kw)
+
+        def failing_prefill(req, blocks, prefill=prefill):
+            if req.request_id == "bad-prefill":
+                raise RuntimeError("prefill exploded")
+            return prefill(req, blocks)
+
+        manager.admit, runner.prefill = failing_admit, failing_prefill
+    engine._jitted.update(_failing(engine._jitted, {"before": 3, "after": 9}))
+    for i, (p, t) in enumerate(requests()):
+        engine.add_request(p, max_new_tokens=GEN, temperature=t, request_id=f"r{i}", seed=i)
+        if i == 1:
+            engine.add_request(p, max_new_tokens=GEN, request_id="bad-admit")
+            engine.add_request(p, max_new_tokens=GEN, request_id="bad-prefill")
+    resets, preemptions = engine.metrics.device_resets, engine.metrics.preemptions
+    for n in range(500):
+        if not engine.has_work:
+            break
+        if n == 1:
+            try:
+                engine.warmup()
+            except RuntimeError as e:
+                out["warmup_refused"] = str(e)
+        try:
+            engine.step()
+        except RuntimeError as e:
+            out["raised"].append(str(e))
+        for sh in engine.shards:
+            assert not sh.scheduler.pass_decode and not sh.scheduler.pass_admitted
+            if isinstance(sh.scheduler.manager, Coordinator):
+                sh.scheduler.manager.check_invariants()
+    engine.scheduler.deliver(wait=True)
+    done = engine.finished
+    names = [f"r{i}" for i in range(NUM_REQUESTS)] + ["bad-admit", "bad-prefill"]
+    out.update(tokens={k: done[k].generated for k in names},
+               reasons={k: done[k].finish_reason for k in names},
+               errors={k: done[k].error for k in names},
+               device_resets=engine.metrics.device_resets - resets,
+               preemptions=engine.metrics.preemptions - preemptions)
+    return out
 
 
 def refusals(model):

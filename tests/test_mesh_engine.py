@@ -48,7 +48,8 @@ def _wait(proc, timeout=600):
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "meshes.json"
-    _wait(_worker("meshes", out, "4x1:hisparse", "2x2:pressured", "1x4:all_resident"))
+    _wait(_worker("meshes", out, "4x1:hisparse", "2x2:pressured:warmup:recover",
+                    "1x4:all_resident"))
     return json.loads(out.read_text())
 
 
@@ -61,6 +62,37 @@ def test_every_mesh_decodes_the_single_device_tokens(meshes):
         assert 0 < run["attention_max_abs_diff"] < ATTENTION_TOLERANCE, spec
         # One jitted step per variant for the whole mesh.
         assert set(run["traces"].values()) == {1}, spec
+
+
+def test_warmup_compiles_every_mesh_step_a_run_reaches(meshes):
+    # The 2x2 engine ran `MeshEngine.warmup()` first (both decode variants, under pressure):
+    # the served run compiled nothing and decoded the single-device tokens (checked above).
+    run = meshes["meshes"]["2x2:pressured"]
+    assert run["warmup_compiles"] > 0 and run["served_compiles"] == 0
+    assert run["warmup_seconds"] > 0 and run["metrics_warmup_seconds"] == run["warmup_seconds"]
+    assert run["compile_seconds"] == 0.0  # the step clock counts every first call as warm
+    assert run["traces"] == {"decode_fast": 1, "decode_hot": 1}
+
+
+def test_failures_finish_only_their_request_and_the_next_step_works(meshes):
+    # On the warmed 2x2 engine: one request's admission raises, one's prefill raises (each
+    # finishes alone with "error"), and the mesh decode call raises once before the call and
+    # once after it (its donated caches gone): both steps raise, the next steps work, and
+    # every other request decodes the single-device tokens.
+    rec = meshes["meshes"]["2x2:pressured"]["recovery"]
+    assert "requests are running" in rec["warmup_refused"]  # warmup refuses mid-run
+    assert len(rec["raised"]) == 2
+    assert "injected failure before the call" in rec["raised"][0]
+    assert "injected failure after the call" in rec["raised"][1]
+    for rid, what in (("bad-admit", "admission exploded"), ("bad-prefill", "prefill exploded")):
+        assert rec["reasons"][rid] == "error" and what in rec["errors"][rid]
+        assert rec["tokens"][rid] == []
+    ref = meshes["reference"]
+    for i in range(len(ref)):
+        assert rec["reasons"][f"r{i}"] == "length", i
+        assert rec["tokens"][f"r{i}"] == ref[str(i)], i
+    assert rec["preemptions"] > 0  # the failed steps' batches, recomputed by replay
+    assert rec["device_resets"] == 2  # the lost caches of both data shards, rebuilt
 
 
 def test_admission_spreads_requests_over_the_data_shards(meshes):

@@ -83,6 +83,7 @@ from host_tier.sizes import is_int
 class _OpenStep:
     """How far the engine step in progress got (what a failure must undo or close)."""
 
+    pass_open: bool = True  # the scheduler pass began (a mesh shard's may not have)
     plan: StepPlan | None = None
     state_applied: bool = False  # the plan's tables and hot updates are on the device
     restores_handed: bool = False  # the worker has the plan's restores
@@ -113,6 +114,78 @@ def _token_ids(what: str, values: Any, vocab: int) -> tuple[int, ...]:
         raise ValueError(f"add_request: token ids of {what} must be in [0, {vocab}) (the "
                          f"model's vocab), got {bad}")
     return tuple(arr.tolist())
+
+
+def recover_parts(scheduler: Scheduler, runner: Runner, metrics: Metrics, st: _OpenStep
+                  ) -> list[str]:
+    """Makes one scheduler / runner pair consistent after a step failed part-way (module
+    docstring: `Engine`'s, or one data shard's of the mesh engine, `mesh.py`): preempts the
+    failed step's batch, requeues admissions whose prefill did not run, closes the manager's
+    pass and applies its state, reports transfers the worker never got as failed, rebuilds
+    lost device arrays. Each part runs even when an earlier one fails; returns their
+    failures as notes."""
+    manager = scheduler.manager
+    notes: list[str] = []
+
+    def attempt(what: str, fn: Callable[[], Any]) -> bool:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - recovery goes on; the note says what failed
+            notes.append(f"Engine recovery: {what} failed: {type(e).__name__}: {e}")
+            return False
+        return True
+
+    # 1. The requests whose step did not complete: nothing they did is kept (recompute).
+    for req in list(scheduler.pass_decode):
+        attempt(f"preempting request {req.request_id!r}", lambda r=req: scheduler.preempt(r))
+    for req in reversed(list(scheduler.pass_admitted)):
+        if req is st.culprit:
+            attempt("failing the request", lambda r=req: scheduler.fail(r, st.culprit_error))
+        else:
+            attempt(f"requeueing request {req.request_id!r}",
+                    lambda r=req: scheduler.requeue(r))
+
+    # 2. Close the manager's pass (now without those requests): its table rows and hot
+    # updates may concern requests that keep running, so they reach the device.
+    def close_pass() -> None:
+        st.plan = manager.build_plan()
+
+    if st.plan is None and st.pass_open:
+        attempt("closing the scheduler pass", close_pass)
+    lost = runner.device_state_lost()
+    if not lost and st.plan is not None and not st.state_applied:
+        lost = not attempt("applying the plan's tables and hot updates",
+                           lambda: runner.apply_plan_state(st.plan))
+    # 3. Transfers the worker never got: failed (spills go back to dirty, restores fail
+    # their request).
+    failed: list[int] = []
+    if st.plan is not None:
+        if not st.restores_handed:
+            failed += [r.transfer_id for r in st.plan.restores]
+        if not st.spills_handed:
+            failed += [t.transfer_id for t in st.plan.spills]
+    if failed:
+        attempt("reporting unsent transfers as failed",
+                lambda: manager.on_transfers(failed=failed))
+    # 4. Device arrays lost: rebuild them; every running request is recomputed.
+    if lost or runner.device_state_lost():
+        for req in list(scheduler.running.values()):
+            attempt(f"preempting request {req.request_id!r}",
+                    lambda r=req: scheduler.preempt(r))
+        attempt("rebuilding the device state",
+                lambda: runner.reset_device_state(manager.tables.full_update()))
+        metrics.device_resets += 1
+    scheduler.pass_decode, scheduler.pass_admitted = [], []
+    return notes
+
+
+def _raise_notes(notes: list[str], error: BaseException | None) -> None:
+    """Adds the recovery's `notes` to `error`; without one, raises them (RuntimeError)."""
+    if error is not None:
+        for note in notes:
+            error.add_note(note)
+    elif notes:
+        raise RuntimeError("; ".join(notes))
 
 
 class Engine:
@@ -368,7 +441,7 @@ class Engine:
         `step()` works.
         """
         self.scheduler.newly_finished = []
-        open_step = _OpenStep()
+        open_step = self._open_step()
         try:
             self._step(open_step)
         except _PrefillLostDevice:
@@ -378,6 +451,10 @@ class Engine:
             raise
         finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
         return finished
+
+    def _open_step(self) -> Any:
+        """The record of how far a step got (`_OpenStep`), which `_recover` reads."""
+        return _OpenStep()
 
     def _step(self, st: _OpenStep) -> None:
         scheduled = self.scheduler.schedule()
@@ -393,22 +470,24 @@ class Engine:
         pending = (runner.dispatch_decode(scheduled.decode, scheduled.residency)
                    if scheduled.decode else None)
         for req in scheduled.admitted:
-            self._prefill(req, st)
+            self._prefill(req, st, self.scheduler, self.runner)
         runner.after_forward(plan)  # the worker reports a copy that raises as failed
         st.spills_handed = True
         self.scheduler.deliver()
         if pending is not None:
             self._collect(pending)
 
-    def _prefill(self, req: Request, st: _OpenStep) -> None:
-        scheduler = self.scheduler
+    def _prefill(self, req: Request, st: _OpenStep, scheduler: Scheduler,
+                 runner: Runner) -> None:
+        """Prefills admitted request `req` with `scheduler`'s manager and `runner` (the
+        engine's, or a mesh data shard's)."""
         try:
             view = scheduler.manager.view(req.request_id)
-            token, attention, seconds, variant, compiled = self.runner.prefill(
+            token, attention, seconds, variant, compiled = runner.prefill(
                 req, np.asarray(view.resident_blocks, np.int64))
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             message = f"prefill failed: {type(e).__name__}: {e}"
-            if self.runner.device_state_lost():
+            if runner.device_state_lost():
                 st.culprit, st.culprit_error = req, message
                 raise _PrefillLostDevice from e
             scheduler.fail(req, message)
@@ -441,63 +520,7 @@ class Engine:
         """Makes the engine consistent after a step failed part-way (module docstring).
         Each part runs even when an earlier one fails; their failures become notes of
         `error`."""
-        scheduler, manager, runner = self.scheduler, self.scheduler.manager, self.runner
-        notes: list[str] = []
-
-        def attempt(what: str, fn: Callable[[], Any]) -> bool:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - recovery goes on; the note says what failed
-                notes.append(f"Engine recovery: {what} failed: {type(e).__name__}: {e}")
-                return False
-            return True
-
-        # 1. The requests whose step did not complete: nothing they did is kept (recompute).
-        for req in list(scheduler.pass_decode):
-            attempt(f"preempting request {req.request_id!r}", lambda r=req: scheduler.preempt(r))
-        for req in reversed(list(scheduler.pass_admitted)):
-            if req is st.culprit:
-                attempt("failing the request", lambda r=req: scheduler.fail(r, st.culprit_error))
-            else:
-                attempt(f"requeueing request {req.request_id!r}",
-                        lambda r=req: scheduler.requeue(r))
-
-        # 2. Close the manager's pass (now without those requests): its table rows and hot
-        # updates may concern requests that keep running, so they reach the device.
-        def close_pass() -> None:
-            st.plan = manager.build_plan()
-
-        if st.plan is None:
-            attempt("closing the scheduler pass", close_pass)
-        lost = runner.device_state_lost()
-        if not lost and st.plan is not None and not st.state_applied:
-            lost = not attempt("applying the plan's tables and hot updates",
-                               lambda: runner.apply_plan_state(st.plan))
-        # 3. Transfers the worker never got: failed (spills go back to dirty, restores fail
-        # their request).
-        failed: list[int] = []
-        if st.plan is not None:
-            if not st.restores_handed:
-                failed += [r.transfer_id for r in st.plan.restores]
-            if not st.spills_handed:
-                failed += [t.transfer_id for t in st.plan.spills]
-        if failed:
-            attempt("reporting unsent transfers as failed",
-                    lambda: manager.on_transfers(failed=failed))
-        # 4. Device arrays lost: rebuild them; every running request is recomputed.
-        if lost or runner.device_state_lost():
-            for req in list(scheduler.running.values()):
-                attempt(f"preempting request {req.request_id!r}",
-                        lambda r=req: scheduler.preempt(r))
-            attempt("rebuilding the device state",
-                    lambda: runner.reset_device_state(manager.tables.full_update()))
-            self.metrics.device_resets += 1
-        scheduler.pass_decode, scheduler.pass_admitted = [], []
-        if error is not None:
-            for note in notes:
-                error.add_note(note)
-        elif notes:
-            raise RuntimeError("; ".join(notes))
+        _raise_notes(recover_parts(self.scheduler, self.runner, self.metrics, st), error)
 
     # ------------------------------------------------------------------ metrics
 

@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from hisparse_jax.cache import AllResident, Residency
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine.config import EngineConfig
-from hisparse_jax.engine.engine import Engine
+from hisparse_jax.engine.engine import Engine, _OpenStep, _raise_notes, recover_parts
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
@@ -164,7 +164,7 @@ class _MeshQueue:
         self.engine = engine
         self.waiting: collections.deque[Request] = collections.deque()
         self.cancelled: dict[Hashable, Request] = {}
-        self.newly_finished: list[Request] = []
+        self.cancelled_now: list[Request] = []  # cancelled from the queue since the step
         self.manager = _MeshManager(engine)
 
     def _schedulers(self) -> list[Scheduler]:
@@ -180,6 +180,18 @@ class _MeshQueue:
         for s in self._schedulers():
             out.update(s.finished)
         return out
+
+    @property
+    def newly_finished(self) -> list[Request]:
+        """The requests finished since the step began (queue cancellations, then the
+        shards'); setting it (to []) clears every shard's list."""
+        return self.cancelled_now + [r for s in self._schedulers() for r in s.newly_finished]
+
+    @newly_finished.setter
+    def newly_finished(self, value: list[Request]) -> None:
+        self.cancelled_now = list(value)
+        for s in self._schedulers():
+            s.newly_finished = []
 
     @property
     def has_work(self) -> bool:
@@ -206,7 +218,7 @@ class _MeshQueue:
                 self.waiting.remove(req)
                 req.finish_reason = "cancelled"
                 self.cancelled[request_id] = req
-                self.newly_finished.append(req)
+                self.cancelled_now.append(req)
                 return True
         for s in self._schedulers():
             if s.knows(request_id):
@@ -256,8 +268,10 @@ class MeshEngine(Engine):
       mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`make_mesh`).
       mesh_shape: (D, M) to build one over every device instead (default: (devices, 1)).
 
-    Requests, `run`, `cancel`, `summary` and `close` work as on `Engine`. `step` raises what
-    the step raised, without `Engine`'s recovery (rebuild the engine after an error).
+    Requests, `run`, `step`, `warmup`, `cancel`, `summary` and `close` work as on `Engine`
+    (`step` and `warmup` are collective with several processes). After an exception from
+    `step()` every local data shard is recovered as `Engine` recovers (`_recover`); with
+    several processes only when every process raised at the same point (`docs/mesh.md`).
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
@@ -395,31 +409,27 @@ class MeshEngine(Engine):
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[Request]:
-        """One scheduler pass per data shard and one mesh decode step; returns the requests
-        that finished in it. Collective with several processes."""
-        self.scheduler.newly_finished = []
-        for sh in self.shards:
-            sh.scheduler.newly_finished = []
-        self._step(None)
-        finished = list(self.scheduler.newly_finished)
-        for sh in self.shards:
-            finished += sh.scheduler.newly_finished
-            sh.scheduler.newly_finished = []
-        self.scheduler.newly_finished = []
-        return finished
+    def _open_step(self) -> dict[int, _OpenStep]:
+        return {sh.index: _OpenStep(pass_open=False) for sh in self.shards}
 
-    def _step(self, st: Any) -> None:
-        del st
+    def _step(self, st: dict[int, _OpenStep]) -> None:
+        """One scheduler pass per data shard and one mesh decode step (`Engine.step` runs
+        it, and recovers each shard after an exception: `_recover`). Collective with
+        several processes."""
         self._route()
         scheduled: dict[int, ScheduledStep] = {}
         for sh in self.shards:
+            st[sh.index].pass_open = True
             step = sh.scheduler.schedule()
-            if step is None:
+            if step is None:  # no pass left open
+                st[sh.index].pass_open = False
                 continue
             scheduled[sh.index] = step
+            st[sh.index].plan = step.plan
             sh.runner.apply_plan_state(step.plan)
+            st[sh.index].state_applied = True
             sh.runner.restore(step.plan)
+            st[sh.index].restores_handed = True
         decoding = [s for s in scheduled.values() if s.decode]
         flags = np.array([bool(decoding), any(s.residency.reads_host for s in decoding)],
                          np.int32)
@@ -436,29 +446,25 @@ class MeshEngine(Engine):
             if step is None:
                 continue
             for req in step.admitted:
-                self._prefill_on(sh, req)
+                self._topk_global = None  # the prefill admits it into its shard's top-k state
+                self._prefill(req, st[sh.index], sh.scheduler, sh.runner)
             sh.runner.after_forward(step.plan)
+            st[sh.index].spills_handed = True
             sh.scheduler.deliver()
         if pending is not None:
             self._collect_mesh(*pending)
 
-    def _prefill_on(self, shard: _Shard, req: Request) -> None:
-        scheduler = shard.scheduler
-        try:
-            view = scheduler.manager.view(req.request_id)
-            token, attention, seconds, variant, compiled = shard.runner.prefill(
-                req, np.asarray(view.resident_blocks, np.int64))
-        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            scheduler.fail(req, f"prefill failed: {type(e).__name__}: {e}")
-            return
-        self._topk_global = None  # the prefill admitted it into its shard's top-k state
-        self._clock.account(variant, seconds, "prefill_seconds", compiled=compiled)
-        self.metrics.prefills += 1
-        self.metrics.prompt_tokens += len(req.prompt)
-        scheduler.start(req)
-        if attention is not None and not req.replaying:
-            req.attention.append(attention)
-        scheduler.record(req, token)
+    def _recover(self, st: dict[int, _OpenStep], error: BaseException | None) -> None:
+        """`Engine._recover` per data shard (`recover_parts`: the failed step's batch of
+        every shard preempted, its admissions requeued, its manager pass closed, unsent
+        transfers reported failed, lost device arrays rebuilt). Single-process: with several
+        processes it runs on each process's own shards only (`docs/mesh.md`)."""
+        notes: list[str] = []
+        for sh in self.shards:
+            notes += [f"data shard {sh.index}: {n}" for n in
+                      recover_parts(sh.scheduler, sh.runner, self.metrics, st[sh.index])]
+        self._topk_global = None  # a shard's top-k state may have been rebuilt
+        _raise_notes(notes, error)
 
     # ------------------------------------------------------------------ the mesh step
 
@@ -532,6 +538,15 @@ class MeshEngine(Engine):
                 steps[i] = req.live - 1
         compiles = CompileWatch.count
         t0 = time.perf_counter()
+        next_tokens, aux = self._mesh_decode(residency, tokens, positions, state_rows,
+                                             temperature, seeds, steps)
+        return decode, residency, next_tokens, aux, t0, compiles
+
+    def _mesh_decode(self, residency: Residency, tokens: np.ndarray, positions: np.ndarray,
+                     state_rows: np.ndarray, temperature: np.ndarray, seeds: np.ndarray,
+                     steps: np.ndarray) -> tuple[jax.Array, dict]:
+        """The mesh decode step of `residency`'s variant on host-built [D * seats] operands;
+        the shards' runners get the new caches. Returns (sampled tokens, aux)."""
         runners = [sh.runner for sh in self.shards]
         cache = self._global_tree([_with_residency(r.cache, residency) for r in runners])
         tables = tuple(self._global([getattr(r.tables, g) for r in runners])
@@ -550,7 +565,7 @@ class MeshEngine(Engine):
             local = [_view(x, sh.sharding, (x.shape[0] // self.num_data_shards, *x.shape[1:]))
                      for x in leaves]
             sh.runner._set_cache(jax.tree.unflatten(treedef, local))
-        return decode, residency, next_tokens, aux, t0, compiles
+        return next_tokens, aux
 
     def _local_blocks(self, x: jax.Array, axis: int = 0) -> dict[int, np.ndarray]:
         """The blocks of global array `x` (split over "data" on `axis`) of the local shards."""
@@ -582,7 +597,39 @@ class MeshEngine(Engine):
     # ------------------------------------------------------------------ the rest
 
     def warmup(self) -> float:
-        raise NotImplementedError("MeshEngine.warmup: not yet (the first steps compile)")
+        """`Engine.warmup` for the mesh: every shard's runner compiles its prefill lengths,
+        block-table, hot-state and spill buckets (`Runner.warmup`, without its own decode
+        variants, which the mesh engine never calls), then each mesh decode variant the mode
+        can reach runs once over the whole mesh with every seat padding (state row -1:
+        writes and selects nothing), so that no served step compiles. Changes no state a
+        request can see. Collective with several processes (every process calls it).
+        Returns the seconds it took (also in `metrics.warmup_seconds`).
+
+        Raises:
+          RuntimeError: a request is running (call it before serving, or when none runs).
+        """
+        running = self.scheduler.running
+        if running:
+            raise RuntimeError(f"MeshEngine.warmup: {len(running)} requests are running; call "
+                               "it before serving or when none runs")
+        t0 = time.perf_counter()
+        variants: list[Hashable] = []
+        for sh in self.shards:
+            variants += sh.runner.warmup(
+                max_spill_pages=getattr(sh.scheduler.manager, "max_spill_pages", 1),
+                decode=False)
+        self._topk_global = None  # a top-k source's warmup admission rewrote a free seat
+        n = self.num_data_shards * self.hs_config.max_num_reqs
+        zeros = np.zeros(n, np.int32)
+        for name, residency in self.shards[0].runner._reachable_variants():
+            jax.block_until_ready(self._mesh_decode(
+                residency, zeros, zeros, np.full(n, -1, np.int32), np.zeros(n, np.float32),
+                zeros, zeros))
+            variants.append(name)
+        self._clock.mark_compiled(variants)
+        seconds = time.perf_counter() - t0
+        self.metrics.warmup_seconds += seconds
+        return seconds
 
     def device_bytes(self) -> int:
         """Bytes of parameters (each device's share, summed) and every shard's caches, index

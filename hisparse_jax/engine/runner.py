@@ -346,11 +346,13 @@ class Runner:
 
     # ------------------------------------------------------------------ warmup
 
-    def warmup(self, *, max_spill_pages: int) -> list[Hashable]:
+    def warmup(self, *, max_spill_pages: int, decode: bool = True) -> list[Hashable]:
         """Compiles every shape bucket a run can reach, with inputs that change no state a
         request can see (call it while no request is admitted). Returns the step variants it
         compiled (for the step clock); `warmed` lists every bucket by kind ("decode",
-        "prefill", "table_rows", "invalidation_widths", "spill_rows").
+        "prefill", "table_rows", "invalidation_widths", "spill_rows"). decode=False leaves
+        out this runner's decode variants (the mesh engine runs its own:
+        `hisparse_jax/engine/mesh.py`).
 
         Reached by a run, and compiled here:
           * each decode variant (`jitted`; "decode_fast" only when the mode can take the fast
@@ -371,7 +373,7 @@ class Runner:
         cfg, S = self.cfg, self.cfg.max_num_reqs
         warmed: dict[str, list[Any]] = collections.defaultdict(list)
         zeros = np.zeros(S, np.int32)
-        for name, residency in self._reachable_variants():
+        for name, residency in self._reachable_variants() if decode else ():
             jax.block_until_ready(self._decode(residency, zeros, zeros, np.full(S, -1, np.int32),
                                                np.zeros(S, np.float32), zeros, zeros))
             warmed["decode"].append(name)

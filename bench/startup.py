@@ -51,7 +51,11 @@ def one_start(example_args: list[str], cache_dir: str, json_path: Path) -> dict[
     if proc.returncode != 0:
         raise RuntimeError(f"decode.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-2000:]}")
-    record = json.loads(json_path.read_text())
+    return start_figures(json.loads(json_path.read_text()), wall)
+
+
+def start_figures(record: dict[str, Any], wall: float) -> dict[str, Any]:
+    """One start's figures from its `decode.py --json` record and its process wall seconds."""
     modes = {s["mode"]: {"warmup_s": s["warmup_seconds"],
                          "compile_while_serving_s": s["compile_seconds"],
                          "decode_step_ms": s["decode_step_ms"]}

@@ -234,3 +234,24 @@ def test_argument_types_directly():
                      (decode.non_negative_float, "-0.5"), (decode.seed_int, "-1")]:
         with pytest.raises(argparse.ArgumentTypeError):
             fn(text)
+
+
+def test_json_record_of_a_checked_run_feeds_the_startup_benchmark(tmp_path, capsys):
+    """--json writes each mode's summary and --check's verdict; bench/startup.py reads its
+    figures from it (warm-up, compile time while serving, steady step time per mode)."""
+    import json
+
+    from bench import startup
+    path = tmp_path / "run.json"
+    argv = [*startup.SMOKE_EXAMPLE, "--no-compile-cache", "--json", str(path)]
+    assert decode.main(argv) == 0
+    capsys.readouterr()
+    record = json.loads(path.read_text())
+    assert record["tokens_identical"] is True
+    assert [s["mode"] for s in record["summaries"]] == ["hisparse", "all-resident"]
+    figures = startup.start_figures(record, wall=1.5)
+    assert figures["process_wall_s"] == 1.5 and figures["tokens_identical"] is True
+    for mode in ("hisparse", "all-resident"):
+        f = figures["modes"][mode]
+        assert f["warmup_s"] > 0 and f["decode_step_ms"] > 0
+        assert f["compile_while_serving_s"] == 0.0  # the warm-up reached every bucket

@@ -96,6 +96,20 @@ class _PrefillLostDevice(Exception):
     """A prefill failed and took the device arrays with it (handled inside `step`)."""
 
 
+def checked_config(who: str, model: Any, config: EngineConfig | None) -> EngineConfig:
+    """The config an engine constructor (`who`) runs with (default `EngineConfig()`),
+    validated against itself and the model; ValueError naming `who` and the rule."""
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):
+        raise ValueError(f"{who} config must be an EngineConfig, got {type(config).__name__}")
+    if not isinstance(model, Transformer):
+        raise ValueError(f"{who} model must be a hisparse_jax.nn.Transformer, got "
+                         f"{type(model).__name__}")
+    config.validate()
+    config.check_model(model.cfg)
+    return config
+
+
 def _token_ids(what: str, values: Any, vocab: int) -> tuple[int, ...]:
     """`values` (a sequence or other iterable of ints) as a tuple of token ids in [0, vocab);
     ValueError naming `what` otherwise."""
@@ -209,17 +223,8 @@ class Engine:
             engine. Its block count replaces `config.num_host_blocks` (ignored when
             all-resident).
         """
-        config = EngineConfig() if config is None else config
-        if not isinstance(config, EngineConfig):
-            raise ValueError(f"Engine config must be an EngineConfig, got "
-                             f"{type(config).__name__}")
-        if not isinstance(model, Transformer):
-            raise ValueError(f"Engine model must be a hisparse_jax.nn.Transformer, got "
-                             f"{type(model).__name__}")
-        config.validate()
+        self.config = ec = config = checked_config("Engine", model, config)
         self.model_config = mc = model.cfg
-        config.check_model(mc)
-        self.config = ec = config
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
         CompileWatch.start()
         self.device = device = jax.devices()[0]

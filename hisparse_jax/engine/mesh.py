@@ -58,7 +58,13 @@ from jax.sharding import PartitionSpec as P
 from hisparse_jax.cache import AllResident, Residency
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine.config import EngineConfig
-from hisparse_jax.engine.engine import Engine, _OpenStep, _raise_notes, recover_parts
+from hisparse_jax.engine.engine import (
+    Engine,
+    _OpenStep,
+    _raise_notes,
+    checked_config,
+    recover_parts,
+)
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
@@ -276,16 +282,8 @@ class MeshEngine(Engine):
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
                  mesh: Mesh | None = None, mesh_shape: Sequence[int] | None = None) -> None:
-        config = EngineConfig() if config is None else config
-        if not isinstance(config, EngineConfig):
-            raise ValueError(f"MeshEngine config must be an EngineConfig, got "
-                             f"{type(config).__name__}")
-        if not isinstance(model, Transformer):
-            raise ValueError(f"MeshEngine model must be a hisparse_jax.nn.Transformer, got "
-                             f"{type(model).__name__}")
-        config.validate()
+        config = checked_config("MeshEngine", model, config)
         self.model_config = mc = model.cfg
-        config.check_model(mc)
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")
         if mesh is None:

@@ -99,9 +99,11 @@ class Skip(Exception):
 
 def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
                 mode: str, concurrency: int, source: Any, pool: Any,
-                kv_format: str = kvf.BF16, build: Any = None, shards: int = 1) -> Engine:
+                kv_format: str = kvf.BF16, build: Any = None, shards: int = 1,
+                extra: dict[str, Any] | None = None) -> Engine:
     """`build(model, config)` makes the engine instead of `Engine` (`bench/mesh_decode.py`:
-    a mesh engine of `shards` data shards, each with the `sizes` budget)."""
+    a mesh engine of `shards` data shards, each with the `sizes` budget); `extra`: more
+    `EngineConfig` fields (`bench/speculative.py`: speculation)."""
     seats = (min(concurrency, shards * sizes["all_resident_cap"]) if mode == "all-resident"
              else concurrency)
     if seats < 1:
@@ -112,7 +114,7 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         num_gpu_blocks=None if mode == "all-resident" else sizes["gpu_blocks"],
         all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
         topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
-        kv_format=kv_format)
+        kv_format=kv_format, **(extra or {}))
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
     rng = np.random.default_rng(0)
@@ -208,15 +210,20 @@ class Window:
             "device_allocator_bytes": s["device_allocator_bytes"],
             "host_pool_bytes": s["host_bytes"],
             "host_pool_bytes_per_request": s["host_bytes_per_request"],
+            # Speculation (whole run, ramp included): drafts accepted, tokens per request-step.
+            "acceptance_rate": s["acceptance_rate"] if s["draft_tokens"] else None,
+            "tokens_per_request_step": s["tokens_per_request_step"],
         }
 
 
 def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
               modes: list[str], concurrency: int, turnover: float, pool: Any,
-              counter: CompileCounter, kv_format: str = kvf.BF16) -> list[dict[str, Any]]:
+              counter: CompileCounter, kv_format: str = kvf.BF16,
+              extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One concurrency and turnover. Naive offload runs alone; HiSparse and all-resident
     (when both are asked for) are alive together and measured in alternating blocks, so
-    clock and host drift hit both alike. Host-tier engines run one at a time on `pool`."""
+    clock and host drift hit both alike. Host-tier engines run one at a time on `pool`.
+    `extra`: more `EngineConfig` fields for every engine of the group."""
     out: list[dict[str, Any]] = []
     paired = [m for m in ("hisparse", "all-resident") if m in modes]
     groups = [[m] for m in modes if m == "naive-offload"] + ([paired] if paired else [])
@@ -231,7 +238,7 @@ def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, 
                 t0 = time.perf_counter()
                 engines[mode] = make_engine(model, args, sizes, mode=mode,
                                             concurrency=concurrency, source=source, pool=pool,
-                                            kv_format=kv_format)
+                                            kv_format=kv_format, extra=extra)
                 info[mode] = {"setup_seconds": time.perf_counter() - t0,
                               **ramp(engines[mode], args)}
             windows = {mode: Window(e) for mode, e in engines.items()}

@@ -15,6 +15,7 @@ the engine refuses, prints one line naming the flag and the rule and exits with 
     python3 examples/decode.py                       # tiny, CPU, under pressure
     python3 examples/decode.py --all-resident        # the baseline
     python3 examples/decode.py --config tiny576 --kv-format fp8_ds_mla --check   # fp8 rows
+    python3 examples/decode.py --speculative-tokens 2 --check   # MTP drafts, 3 rows per step
     python3 examples/decode.py --config dsv32-2l --requests 4 --prompt-len 3072 \\
         --gen-len 32 --block-size 64 --max-model-len 4096 --gpu-pool-fraction 0.5   # GPU
 """
@@ -31,9 +32,11 @@ import jax
 import numpy as np
 
 from hisparse_jax import nn
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.draft_sources import AcceptanceRateDraft
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier import CapacityError
-from host_tier.sizes import cdiv, round_up
+from host_tier.sizes import cdiv
 from pallas_kernels import kv_format as kvf
 
 MAX_SEED = 2**32 - 1          # jax.random.PRNGKey keeps the low 32 bits: larger seeds collide
@@ -46,7 +49,8 @@ FIELD_FLAGS = {"num_host_blocks": "--host-blocks", "num_gpu_blocks": "--gpu-bloc
                "max_model_len": "--max-model-len", "max_seats": "--seats",
                "prefill_bucket": "--prefill-bucket", "top_k": "--top-k", "seed": "--seed",
                "temperature": "--temperature", "max_new_tokens": "--gen-len",
-               "kv_format": "--kv-format"}
+               "kv_format": "--kv-format", "num_speculative_tokens": "--speculative-tokens",
+               "acceptance_rate": "--acceptance-rate"}
 
 
 class ProgressBar:
@@ -93,6 +97,14 @@ def _int(text: str, what: str) -> int:
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
 
 
+def _int_at_least_0(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _int(text, "an int >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = _int(text, "a positive integer")
@@ -124,6 +136,14 @@ def non_negative_float(text: str) -> float:
     value = _float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value:g}")
     return value
 
 
@@ -170,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stored KV row: bf16 values, or fp8_ds_mla (656-byte rows: fp8 latent "
                         "with per-128 scales, bf16 rope; needs 512 + 64 rows: --config "
                         "tiny576 or dsv32-2l; docs/kv_format.md)")
+    p.add_argument("--speculative-tokens", type=_int_at_least_0, default=0, metavar="K",
+                   help="draft tokens verified per request and step (0: no speculation); the "
+                        "drafts come from the model's MTP module (built with it), so the "
+                        "tokens equal decoding without speculation (--check compares them)")
+    p.add_argument("--acceptance-rate", type=probability, default=None, metavar="R",
+                   help="with --speculative-tokens: accept each draft with probability R "
+                        "instead (a benchmark device: the tokens are then not the model's)")
     p.add_argument("--all-resident", action="store_true", help="no host tier (baseline)")
     p.add_argument("--check", action="store_true",
                    help="also run all-resident and require identical tokens (greedy, or "
@@ -208,6 +235,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if given:
             p.error(f"{', '.join(given)} {'sizes' if len(given) == 1 else 'size'} the host "
                     f"tier, which --all-resident does not use")
+    k = args.speculative_tokens
+    if k >= args.block_size:
+        p.error(f"--speculative-tokens {k} must be < --block-size {args.block_size} (a step's "
+                f"draft rows open at most one page)")
+    if args.acceptance_rate is not None:
+        if not k:
+            p.error("--acceptance-rate needs --speculative-tokens >= 1")
+        if args.check:
+            p.error("--acceptance-rate emits tokens the model did not choose: it excludes "
+                    "--check")
     model = nn.CONFIGS[args.config]
     if args.kv_format == kvf.FP8_DS_MLA and (model.kv_lora_rank, model.rope_dim) != (
             kvf.LATENT_DIM, kvf.ROPE_DIM):
@@ -217,9 +254,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"{kvf.ROPE_DIM} rope values; --config {args.config} has "
                 f"{model.kv_lora_rank} + {model.rope_dim} (use --config {' or '.join(fits)})")
     top_k = args.top_k if args.top_k is not None else model.top_k
-    if args.hot_size is not None and args.hot_size < top_k:
-        p.error(f"--hot-size {args.hot_size} must be >= top_k {top_k} (--top-k, or the "
-                f"{args.config} config's): the hot region takes a whole step's misses")
+    if args.hot_size is not None and args.hot_size < (1 + k) * top_k:
+        p.error(f"--hot-size {args.hot_size} must be >= (1 + --speculative-tokens {k}) x "
+                f"top_k {top_k} (--top-k, or the {args.config} config's): the hot region "
+                f"takes a whole step's misses")
     if args.hot_size is not None and args.hot_size > MAX_HOT_SIZE:
         p.error(f"--hot-size {args.hot_size} must be <= {MAX_HOT_SIZE} (hot slot ids are "
                 f"int16)")
@@ -232,15 +270,23 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def model_config(args: argparse.Namespace) -> nn.ModelConfig:
-    return nn.get_config(args.config, **({} if args.top_k is None else {"top_k": args.top_k}))
+    """The model's config; with speculation (MTP drafts) it also has an MTP module (the main
+    model's parameters do not change with it)."""
+    overrides = {} if args.top_k is None else {"top_k": args.top_k}
+    if args.speculative_tokens and args.acceptance_rate is None:
+        overrides["mtp_layers"] = 1
+    return nn.get_config(args.config, **overrides)
 
 
 def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
-                  all_resident: bool) -> EngineConfig:
-    """The EngineConfig of one mode (sizes derived from the flags; builds nothing)."""
+                  all_resident: bool, speculate: bool = True) -> EngineConfig:
+    """The EngineConfig of one mode (sizes derived from the flags; builds nothing);
+    `speculate=False`: without speculation (--check's baseline)."""
     B = args.block_size
     pages = cdiv(args.max_model_len, B)
-    hot_size = args.hot_size if args.hot_size is not None else round_up(2 * cfg.top_k, B)
+    k = args.speculative_tokens if speculate else 0
+    hot_size = (args.hot_size if args.hot_size is not None
+                else HiSparseConfig.default_hot_size(cfg.top_k, B, k))
     hot_blocks = cdiv(hot_size, B)
     seats = min(args.seats, args.requests)
     if args.gpu_blocks is not None:
@@ -255,7 +301,9 @@ def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
     kwargs = dict(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
                   hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
                   all_resident=all_resident, prefill_bucket=args.prefill_bucket,
-                  seed=args.seed, kv_format=args.kv_format)
+                  seed=args.seed, kv_format=args.kv_format, num_speculative_tokens=k)
+    if k and args.acceptance_rate is not None:
+        kwargs["draft_source"] = AcceptanceRateDraft(args.acceptance_rate)
     kwargs.update(compile_cache_kwargs(args))
     return EngineConfig(**kwargs)
 
@@ -351,6 +399,9 @@ def print_summary(engines: list[Engine]) -> None:
         ("pages spilled / unpinned / lost", lambda s: f"{s['spilled_pages']} / "
                                                       f"{s['unpinned_pages']} / {s['lost_pages']}"),
         ("hot regions / preemptions", lambda s: f"{s['hot_grants']} / {s['preemptions']}"),
+        ("drafts accepted (tokens/step)", lambda s: "-" if not s["draft_tokens"]
+         else f"{s['accepted_tokens']} of {s['draft_tokens']} "
+              f"({s['tokens_per_request_step']:.2f})"),
         ("device pool blocks", lambda s: f"{s['gpu_blocks']}"),
         ("device memory: params + caches", lambda s: _fmt_bytes(s["device_bytes"])),
         ("device memory: allocator in use", lambda s: "-" if s["device_allocator_bytes"] is None
@@ -393,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [args.all_resident] + ([True] if args.check else [])
     try:                                  # every config the run needs, before any work
         cfg = model_config(args)
-        configs = [engine_config(args, cfg, all_resident=mode) for mode in modes]
+        # --check's baseline decodes without speculation: the tokens must be the same.
+        configs = [engine_config(args, cfg, all_resident=mode, speculate=i == 0)
+                   for i, mode in enumerate(modes)]
         for ec in configs:
             ec.hisparse_config(cfg)       # the sizes' rules (HiSparseConfig), builds nothing
     except (ValueError, TypeError) as e:

@@ -87,7 +87,17 @@ class AllResident:
 
 @dataclasses.dataclass(frozen=True)
 class HiSparse:
-    """Resident pages plus per-request hot regions over the pinned host pools."""
+    """Resident pages plus per-request hot regions over the pinned host pools.
+
+    With several query rows per request (`CacheBatch.rows_per_request` > 1, speculative
+    verification) the request's rows are resolved as one pass over the union of their
+    positions (`resolve_residency(query_rows_per_request=r)`). `per_row=True` is the ablation:
+    one resolve-and-copy pass per row index, in row order (the LRU moves r times per step; a
+    later row may evict what an earlier row of the same step attends to unless the hot region
+    holds r * top_k rows beyond the previous step's, which the default size does).
+    """
+
+    per_row: bool = False
 
     name: ClassVar[str] = "hisparse"
     reads_host: ClassVar[bool] = True
@@ -100,7 +110,17 @@ class HiSparse:
                             -1)
         hot = invalidate_written_rows(cache.hot[group], batch.state_rows, written,
                                       backend=cache.ops_backend)
-        return cache._resolve_and_gather(group, hot, topk, batch)
+        r = batch.rows_per_request
+        if not self.per_row or r == 1:
+            return cache._resolve_and_gather(group, hot, topk, batch)
+        lookups = []
+        for i in range(r):  # the ablation: one pass per row index, in order
+            cache, found = cache._resolve_and_gather(group, hot, topk[i::r], batch.rows(i))
+            hot = cache.hot[group]
+            lookups.append(found)
+        rows = jnp.stack([f.attention_rows for f in lookups], 1).reshape(topk.shape)
+        return cache, Lookup(rows, sum(f.hits for f in lookups),
+                             sum(f.misses for f in lookups))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +137,11 @@ class NaiveOffload:
 
 
 Residency = AllResident | HiSparse | NaiveOffload
+
+
+def _replace(items: tuple, index: int, value) -> tuple:
+    """`items` with entry `index` replaced by `value`."""
+    return (*items[:index], value, *items[index + 1:])
 
 
 # --------------------------------------------------------------------------- pytrees
@@ -152,6 +177,9 @@ class CacheBatch:
       hot: int32[N, Hb], device blocks of the hot region (0: none).
       host_pools: per layer, the pinned host pool [host_blocks, B, Ws]; may be empty for
         lookups that never read the host (`AllResident`).
+      rows_per_request: r (static): the batch rows come in groups of r adjacent rows of one
+        request (one state row, consecutive positions: speculative verification), resolved
+        together (`HiSparse`). A row of position -1 inside a live request writes nothing.
     """
 
     state_rows: jax.Array
@@ -160,15 +188,24 @@ class CacheBatch:
     res: jax.Array
     hot: jax.Array
     host_pools: tuple[jax.Array, ...] = ()
+    rows_per_request: int = dataclasses.field(default=1, metadata=_STATIC)
 
     @classmethod
     def from_tables(cls, state_rows: jax.Array, positions: jax.Array, *, src: jax.Array,
-                    res: jax.Array, hot: jax.Array,
-                    host_pools: Sequence[jax.Array] = ()) -> CacheBatch:
+                    res: jax.Array, hot: jax.Array, host_pools: Sequence[jax.Array] = (),
+                    rows_per_request: int = 1) -> CacheBatch:
         """The batch rows' table rows gathered by `state_rows` from per-STATE-row tables
         src / res [S, P] and hot [S, Hb] (usable inside jit; padding rows read row 0)."""
         srow = jnp.where(state_rows >= 0, state_rows, 0)
-        return cls(state_rows, positions, src[srow], res[srow], hot[srow], tuple(host_pools))
+        return cls(state_rows, positions, src[srow], res[srow], hot[srow], tuple(host_pools),
+                   rows_per_request)
+
+    def rows(self, index: int) -> CacheBatch:
+        """The batch of row `index` of every request (rows_per_request 1)."""
+        r = self.rows_per_request
+        return CacheBatch(self.state_rows[index::r], self.positions[index::r],
+                          self.src[index::r], self.res[index::r], self.hot[index::r],
+                          self.host_pools)
 
     @property
     def live(self) -> jax.Array:
@@ -261,14 +298,13 @@ class HiSparseKVCache:
         resolution, hot = resolve_residency(
             hot, topk, state_rows=batch.state_rows, hot_block_table=batch.hot,
             source_block_table=batch.src, resident_block_table=batch.res,
-            block_size=self.block_size, host_rows=self.host_rows, backend=self.ops_backend)
+            block_size=self.block_size, host_rows=self.host_rows, backend=self.ops_backend,
+            query_rows_per_request=batch.rows_per_request)
         layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
         caches = list(self.caches)
         caches[layers] = gather_compact_group(
             batch.host_pools[layers], caches[layers], resolution.swap_src, resolution.swap_dst,
             resolution.swap_counts, backend=self.ops_backend)
-        hots = list(self.hot)
-        hots[group] = hot
-        cache = dataclasses.replace(self, caches=tuple(caches), hot=tuple(hots))
+        cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
         return cache, Lookup(resolution.attention_rows, resolution.num_hits,
                              resolution.swap_counts)

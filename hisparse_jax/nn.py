@@ -67,6 +67,7 @@ class ModelConfig:
     index_dim: int
     top_k: int
     index_group_size: int = 1
+    mtp_layers: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     param_dtype: Any = "float32"
@@ -79,6 +80,9 @@ class ModelConfig:
                              f"index_group_size={self.index_group_size}")
         if self.rope_dim % 2 or self.index_dim < self.rope_dim:
             raise ValueError("rope_dim must be even and <= index_dim")
+        if self.mtp_layers not in (0, 1):
+            raise ValueError(f"mtp_layers must be 0 or 1 (one MTP draft module), got "
+                             f"{self.mtp_layers!r}")
 
     @property
     def row_width(self) -> int:
@@ -329,6 +333,33 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
 
+class MTPHead(nnx.Module):
+    """A multi-token-prediction draft module in the DeepSeek-V3 style: from the last hidden
+    state h of position t (before the final norm) and the embedding of the token at t + 1, it
+    predicts the token at t + 2 through the model's own output head:
+
+        h' = block(proj([hnorm(h); enorm(embed(token))])),  logits = lm_head(norm(h'))
+
+    Applied k times (its h' feeding the next application) it drafts k tokens. DeepSeek-V3's
+    module block also has an attention layer over its own KV cache; this one's block is the
+    SwiGLU MLP only (residual, pre-norm), so drafting reads no KV rows and needs no cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = cfg.param_dtype
+        self.hnorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=pd)
+        self.enorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=pd)
+        self.proj = _linear(cfg, 2 * cfg.hidden, cfg.hidden, rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=pd)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=pd)
+
+    def __call__(self, hidden: jax.Array, token_embedding: jax.Array) -> jax.Array:
+        """The module's hidden state [N, hidden] (feed it back for the next draft)."""
+        x = self.proj(jnp.concatenate([self.hnorm(hidden), self.enorm(token_embedding)], -1))
+        return x + self.mlp(self.mlp_norm(x))
+
+
 class Transformer(nnx.Module):
     """Decoder with sparse MLA layers; `decode` and `prefill` take and return the caches."""
 
@@ -341,6 +372,8 @@ class Transformer(nnx.Module):
             for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.lm_head = _linear(cfg, cfg.hidden, cfg.vocab_size, rngs)
+        # Built last: the main model's parameters do not depend on whether it has one.
+        self.mtp = MTPHead(cfg, rngs=rngs) if cfg.mtp_layers else None
 
     def _finish(self, x: jax.Array, block: Block, attn_out: jax.Array) -> jax.Array:
         x = x + attn_out
@@ -348,6 +381,21 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         return self.lm_head(self.final_norm(x)).astype(jnp.float32)
+
+    def draft(self, hidden: jax.Array, tokens: jax.Array, num_tokens: int) -> jax.Array:
+        """Greedy drafts int32[N, num_tokens] of the MTP module (`MTPHead`): hidden [N, hidden]
+        is the last hidden state of position t (`decode`'s aux "hidden"), tokens int32[N] the
+        token at t + 1; draft i is the module's guess for position t + 2 + i."""
+        if self.mtp is None:
+            raise ValueError(f"model {self.cfg.name!r} has no MTP module (build it with "
+                             "mtp_layers=1 to draft with it)")
+        drafts = []
+        for _ in range(num_tokens):
+            hidden = self.mtp(hidden, self.embed(tokens))
+            logits = self.lm_head(self.mtp.norm(hidden)).astype(jnp.float32)
+            tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+            drafts.append(tokens)
+        return jnp.stack(drafts, 1)
 
     def decode(self, cache: DecodeCache, batch: DecodeBatch, *,
                attention_backend: str | None = None, collect_attention: bool = False
@@ -359,13 +407,21 @@ class Transformer(nnx.Module):
         select nothing) and calls `cache.kv.lookup`, whose rows every layer of the group
         attends over. The residency (`cache.kv.residency`) decides how rows are found.
 
+        Several query rows per request (speculative verification: `CacheBatch.
+        rows_per_request` = r adjacent rows of one state row at consecutive positions): each
+        row writes its own position and attends causally, so row i sees the rows written by
+        rows < i in the same step; a row of position -1 writes and selects nothing.
+
         aux: "hits" / "misses" int32[num_groups] (hot-region lookups summed over rows; zeros
-        when the residency reads no host rows) and, with `collect_attention`, "attention"
-        [L, N, h, kv_lora] (each layer's latent attention output).
+        when the residency reads no host rows), "hidden" [N, hidden] (the last hidden state,
+        before the final norm: what an MTP module drafts from) and, with
+        `collect_attention`, "attention" [L, N, h, kv_lora] (each layer's latent attention
+        output).
         """
         c = self.cfg
         kvb = batch.kv
         live, pos = kvb.live, kvb.positions
+        writes = live & (pos >= 0)
         srow = jnp.where(live, kvb.state_rows, 0)
         kv, index_keys = cache.kv, list(cache.index_keys)
         hits, misses, attn = [], [], []
@@ -383,8 +439,8 @@ class Transformer(nnx.Module):
                 else:
                     idx = block.indexer
                     keys = index_keys[g]
-                    keys = keys.at[jnp.where(live, kvb.state_rows, keys.shape[0]), pos].set(
-                        idx.keys(h, pos), mode="drop")
+                    keys = keys.at[jnp.where(writes, kvb.state_rows, keys.shape[0]),
+                                   jnp.maximum(pos, 0)].set(idx.keys(h, pos), mode="drop")
                     index_keys[g] = keys
                     iq, iw = idx.queries(q_lora, h, pos)
                     topk = idx.select(iq, iw, keys[srow], pos)
@@ -397,7 +453,7 @@ class Transformer(nnx.Module):
             if collect_attention:
                 attn.append(latent)
             x = self._finish(x, block, out)
-        aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses)}
+        aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses), "hidden": x}
         if collect_attention:
             aux["attention"] = jnp.stack(attn)
         return self.logits(x), DecodeCache(kv, tuple(index_keys)), aux

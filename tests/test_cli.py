@@ -59,7 +59,8 @@ BAD_VALUES = [
     ("--gpu-pool-fraction", "-1"), ("--gpu-pool-fraction", "0"), ("--gpu-pool-fraction", "1.5"),
     ("--gpu-pool-fraction", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
     ("--temperature", "warm"), ("--seed", "-1"), ("--seed", str(2**32)), ("--requests", "2.5"),
-    ("--config", "bogus"), ("--kv-format", "fp8"),
+    ("--config", "bogus"), ("--kv-format", "fp8"), ("--speculative-tokens", "-1"),
+    ("--acceptance-rate", "1.5"), ("--acceptance-rate", "nan"),
 ]
 
 
@@ -93,6 +94,12 @@ CROSS_FIELD = [
     (["--gpu-blocks", "10", "--gpu-pool-fraction", "0.5"],
      ["--gpu-blocks", "--gpu-pool-fraction"]),
     (["--kv-format", "fp8_ds_mla"], ["--kv-format", "--config tiny", "512", "tiny576"]),
+    (["--speculative-tokens", "4"], ["--speculative-tokens 4", "--block-size 4"]),
+    (["--acceptance-rate", "0.8"], ["--acceptance-rate", "--speculative-tokens"]),
+    (["--speculative-tokens", "1", "--acceptance-rate", "0.8", "--check"],
+     ["--acceptance-rate", "--check"]),
+    (["--speculative-tokens", "1", "--hot-size", "16"],
+     ["--hot-size", "--speculative-tokens 1", "top_k 16"]),
 ]
 
 
@@ -134,6 +141,22 @@ def test_omitted_flags_mean_their_defaults():
     # a smaller fraction gives a smaller pool (down to what a lone request needs)
     assert (_config(["--gpu-pool-fraction", "1"]).num_gpu_blocks
             > _config(["--gpu-pool-fraction", "0.4"]).num_gpu_blocks)
+
+
+def test_speculation_flags_reach_the_model_and_engine_configs():
+    args = decode.build_parser().parse_args(["--speculative-tokens", "2"])
+    assert decode.model_config(args).mtp_layers == 1  # MTP drafts: the model gets the module
+    ec = _config(["--speculative-tokens", "2"])
+    assert ec.num_speculative_tokens == 2 and ec.draft_source is None
+    assert ec.hot_size == 2 * 3 * nn.CONFIGS["tiny"].top_k
+    args = decode.build_parser().parse_args(["--speculative-tokens", "1",
+                                             "--acceptance-rate", "0.7"])
+    assert decode.model_config(args).mtp_layers == 0
+    assert _config(["--speculative-tokens", "1", "--acceptance-rate", "0.7"]
+                   ).draft_source.acceptance_rate == 0.7
+    # --check's baseline decodes without speculation
+    assert decode.engine_config(args, decode.model_config(args), all_resident=True,
+                                speculate=False).num_speculative_tokens == 0
 
 
 def test_no_compile_cache_reaches_the_engine_config():

@@ -176,7 +176,9 @@ def test_engine_config_is_checked_at_construction(kwargs, match):
 def test_engine_config_aliases_and_the_checks_that_need_the_model_or_platform(monkeypatch):
     with pytest.warns(DeprecationWarning, match="'pallas' is deprecated"):
         assert EngineConfig(attention_backend="pallas").attention_backend == "triton"
-    with pytest.raises(ValueError, match=r"EngineConfig.hot_size must be >= the model's top_k"):
+    with pytest.raises(ValueError, match=r"EngineConfig.hot_size must be >= \(1 \+ "
+                                         r"num_speculative_tokens\) \* the model's top_k "
+                                         r"\(1 x 16"):
         Engine(tiny_model(), EngineConfig(hot_size=8))
     calls = []
 

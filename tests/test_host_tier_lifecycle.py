@@ -52,11 +52,13 @@ class Reports:
         return bool(self.enqueued or self.completed)
 
 
-def drive_lone(coord, num_prompt, num_total, rng):
+def drive_lone(coord, num_prompt, num_total, rng, lookahead=0):
     """Admits one request with its whole prompt, then writes one token per step until it holds
     `num_total` tokens, delivering a random part of the reports after each step; a step that
     must wait is retried after every report is delivered. Returns None when it finished (and
-    checks that nothing leaked), else why not ("admit raised: ..." or "stall at c")."""
+    checks that nothing leaked), else why not ("admit raised: ..." or "stall at c").
+    `lookahead`: each step also writes up to that many speculative rows past its token (at
+    positions below num_total); only pages of counted tokens are ever spilled."""
     try:
         assert isinstance(coord.admit("lone", [7 + i for i in range(num_prompt)]), Admitted)
     except CapacityError as e:
@@ -64,14 +66,21 @@ def drive_lone(coord, num_prompt, num_total, rng):
     reports = Reports(coord, rng)
     reports.take(coord.build_plan())
     computed = num_prompt
+    B = coord.block_size
     while computed < num_total:
-        if coord.schedule("lone", new_token_ids=[3]) is not None:
+        la = min(lookahead, num_total - computed - 1)
+        if coord.schedule("lone", new_token_ids=[3], num_lookahead_tokens=la) is not None:
             if not reports.pending:
                 return f"stall at {computed}"
             reports.deliver()
             continue
-        reports.take(coord.build_plan())
+        assert len(coord.view("lone").resident_blocks) >= -(-(computed + 1 + la) // B)
+        plan = coord.build_plan()
         computed += 1
+        blocks = coord.view("lone").resident_blocks
+        for spill in plan.spills:  # sealed by counted tokens only
+            assert (blocks.index(spill.device_block) + 1) * B <= computed, (spill, computed)
+        reports.take(plan)
         reports.deliver(rng.random())
     coord.finish("lone")
     reports.deliver()
@@ -387,6 +396,59 @@ def test_capacity_error_agrees_with_a_lone_request_driven_step_by_step(
         assert reason.split(":")[0] in ("device pool", "host pool"), reason
         assert got is not None, f"capacity_error said {reason!r}, but it finished"
         assert got.startswith("admit raised") or got.startswith("stall at")
+
+
+@settings(max_examples=max(150, settings.default.max_examples))
+@given(block_size=st.integers(2, 5), hot_blocks=st.integers(1, 6),
+       max_model_len=st.integers(2, 80), gpu_extra=st.integers(0, 20),
+       num_host_blocks=st.integers(2, 60), offload_all=st.booleans(), data=st.data())
+def test_capacity_error_with_lookahead_rows_is_sufficient(
+        block_size, hot_blocks, max_model_len, gpu_extra, num_host_blocks, offload_all, data):
+    """With speculative lookahead rows, a None from capacity_error still guarantees that a lone
+    request finishes (the answer may be conservative the other way)."""
+    sizes = dict(block_size=block_size, num_gpu_blocks=hot_blocks + 2 + gpu_extra,
+                 num_host_blocks=num_host_blocks, hot_blocks=hot_blocks, max_num_reqs=1,
+                 max_model_len=max_model_len, offload_all=offload_all)
+    try:
+        coord = Coordinator(**sizes)
+    except ValueError:
+        return
+    la = data.draw(st.integers(1, block_size - 1), label="lookahead")
+    prompt = data.draw(st.integers(1, max_model_len), label="prompt")
+    total = data.draw(st.integers(prompt, max_model_len), label="total")
+    reason = coord.capacity_error(prompt, total, num_lookahead_tokens=la)
+    assert reason is None or coord.capacity_error(prompt, total) is None or (
+        reason.split(":")[0] in ("device pool", "host pool"))
+    if reason is not None:
+        event("refused")
+        return
+    event("served")
+    got = drive_lone(coord, prompt, total, random.Random(data.draw(st.integers(0, 99))),
+                     lookahead=la)
+    assert got is None, f"capacity_error said it fits with lookahead {la}, but: {got}"
+
+
+def test_lookahead_rows_get_pages_but_are_never_sealed_or_counted():
+    coord = make()  # block_size 4
+    coord.admit("a", list(range(6)))
+    complete_all(coord, coord.build_plan())
+    assert len(coord.view("a").resident_blocks) == 2
+    assert coord.schedule("a", new_token_ids=[1], num_lookahead_tokens=2) is None
+    assert len(coord.view("a").resident_blocks) == 3  # positions 6, 7 (+ lookahead 8)
+    plan = coord.build_plan()
+    blocks = coord.view("a").resident_blocks
+    assert coord.view("a").num_computed_tokens == 7
+    assert plan.spills == ()  # page 0 went with the admission, page 1 is not full yet
+    with pytest.raises(ValueError, match="num_lookahead_tokens must be an int in"):
+        coord.schedule("a", new_token_ids=[1], num_lookahead_tokens=4)
+    # The next step counts the accepted drafts (rows written last step) and its own token.
+    assert coord.schedule("a", new_token_ids=[2, 3], num_lookahead_tokens=3) is None
+    plan = coord.build_plan()
+    assert coord.view("a").num_computed_tokens == 9
+    assert [blocks.index(s.device_block) for s in plan.spills] == [1]
+    assert len(coord.view("a").resident_blocks) == 3  # lookahead rows 9..11 on page 2
+    coord.check_invariants()
+    coord.finish("a")
 
 
 def test_capacity_error_names_the_pool_and_the_sizes():

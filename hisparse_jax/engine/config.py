@@ -11,6 +11,7 @@ import numpy as np
 
 from hisparse_jax.cache import AllResident, HiSparse, NaiveOffload, Residency
 from hisparse_jax.config import MAX_HOT_SIZE, HiSparseConfig
+from hisparse_jax.draft_sources import DraftSource, MTPDraft
 from hisparse_jax.ops import _registry
 from hisparse_jax.topk_sources import TopKSource
 from host_tier.sizes import cdiv, is_int, round_up
@@ -94,6 +95,16 @@ class EngineConfig:
       compilation_cache: turn on jax's persistent compilation cache
         (`hisparse_jax.engine.compile_cache.enable`; the environment variable
         HISPARSE_JAX_COMPILATION_CACHE=0 turns it off, or names the directory).
+      num_speculative_tokens: k, draft tokens verified per request and decode step (0: no
+        speculation; k < block_size). Each step feeds a request's last token and up to k
+        drafts, keeps the drafts that equal the tokens sampled before them and one more
+        token (`hisparse_jax.draft_sources`); the default hot region grows to
+        2 (1 + k) top_k rows.
+      draft_source: where drafts come from (a `hisparse_jax.draft_sources.DraftSource`);
+        None with k > 0: `MTPDraft()`, the model's MTP module.
+      union_resolution: resolve a request's k + 1 query rows as one pass over their union
+        (the default); False is the per-row ablation (`hisparse_jax.cache.HiSparse.per_row`,
+        HiSparse mode with k > 0 only).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -117,6 +128,9 @@ class EngineConfig:
     seed: int = 0
     compilation_cache: bool = True
     kv_format: str = "bf16"
+    num_speculative_tokens: int = 0
+    draft_source: DraftSource | None = None
+    union_resolution: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -140,7 +154,7 @@ class EngineConfig:
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
-                     "compilation_cache"):
+                     "compilation_cache", "union_resolution"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -156,6 +170,23 @@ class EngineConfig:
         if self.synthetic_prefill and self.topk_source is None:
             raise ValueError("EngineConfig.synthetic_prefill requires topk_source (the indexer "
                              "has no keys for a prompt that was not run through the model)")
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 0 <= k < self.block_size:
+            raise ValueError(f"EngineConfig.num_speculative_tokens must be an int in [0, "
+                             f"block_size={self.block_size}) (a step's draft rows open at most "
+                             f"one page), got {k!r}")
+        if self.draft_source is not None:
+            if not isinstance(self.draft_source, DraftSource):
+                raise ValueError("EngineConfig.draft_source must be a hisparse_jax."
+                                 "draft_sources.DraftSource or None, got "
+                                 f"{type(self.draft_source).__name__}")
+            if k == 0:
+                raise ValueError("EngineConfig.draft_source needs num_speculative_tokens >= 1 "
+                                 "(no drafts are verified without it)")
+        if not self.union_resolution and (k == 0 or self.all_resident or self.naive_offload):
+            raise ValueError("EngineConfig.union_resolution=False (the per-row ablation) needs "
+                             "num_speculative_tokens >= 1 and the HiSparse mode (neither "
+                             "all_resident nor naive_offload)")
         for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
             object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
 
@@ -171,10 +202,14 @@ class EngineConfig:
                 f"latent + {kvf.ROPE_DIM} rope values; the model {model_config.name!r} has "
                 f"kv_lora_rank {model_config.kv_lora_rank} + rope_dim {model_config.rope_dim} "
                 f"(use e.g. the 'tiny576' or 'dsv32-2l' config)")
-        if self.hot_size is not None and self.hot_size < model_config.top_k:
+        rows = 1 + self.num_speculative_tokens
+        if self.hot_size is not None and self.hot_size < rows * model_config.top_k:
             raise ValueError(
-                f"EngineConfig.hot_size must be >= the model's top_k ({model_config.top_k}: "
-                f"each miss of a step needs its own hot slot), got {self.hot_size}")
+                f"EngineConfig.hot_size must be >= (1 + num_speculative_tokens) * the model's "
+                f"top_k ({rows} x {model_config.top_k}: each miss of a step needs its own hot "
+                f"slot), got {self.hot_size}")
+        if self.draft is not None:
+            self.draft.check_model(model_config)
 
     def check_platform(self, model_config: Any, cfg: HiSparseConfig) -> None:
         """The backends can run this engine's calls on this platform: asks the op registry
@@ -214,7 +249,16 @@ class EngineConfig:
         """The residency type of the mode: `AllResident`, `NaiveOffload` or `HiSparse`."""
         if self.all_resident:
             return AllResident()
-        return NaiveOffload() if self.naive_offload else HiSparse()
+        return NaiveOffload() if self.naive_offload else HiSparse(
+            per_row=not self.union_resolution)
+
+    @property
+    def draft(self) -> DraftSource | None:
+        """The draft source in effect: `draft_source`, `MTPDraft()` when speculating without
+        one, None without speculation."""
+        if not self.num_speculative_tokens:
+            return None
+        return self.draft_source if self.draft_source is not None else MTPDraft()
 
     def hisparse_config(self, model_config, *, num_host_blocks: int | None = None
                         ) -> HiSparseConfig:
@@ -229,8 +273,9 @@ class EngineConfig:
         B, S = self.block_size, self.max_seats
         mc = model_config
         max_pages = cdiv(self.max_model_len, B)
-        hot_size = self.hot_size or (round_up(mc.top_k, B) if self.naive_offload
-                                     else HiSparseConfig.default_hot_size(mc.top_k, B))
+        k = self.num_speculative_tokens
+        hot_size = self.hot_size or (round_up((1 + k) * mc.top_k, B) if self.naive_offload
+                                     else HiSparseConfig.default_hot_size(mc.top_k, B, k))
         if self.all_resident:
             gpu_blocks, host_blocks = 1 + S * max_pages, None
         else:
@@ -238,6 +283,6 @@ class EngineConfig:
             host_blocks = num_host_blocks or self.num_host_blocks or 1 + (S + 1) * max_pages
         return HiSparseConfig(top_k=mc.top_k, hot_size=hot_size, block_size=B,
                               max_num_reqs=S, row_width=mc.row_width, kv_dtype=mc.kv_dtype,
-                              kv_format=self.kv_format,
+                              kv_format=self.kv_format, num_speculative_tokens=k,
                               max_model_len=self.max_model_len, num_gpu_blocks=gpu_blocks,
                               num_host_blocks=host_blocks)

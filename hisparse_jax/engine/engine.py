@@ -275,7 +275,8 @@ class Engine:
             if self._owns_pool:
                 host_pool.close()
             raise
-        self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics)
+        self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics,
+                                   draft=self.runner.draft)
         self._auto_ids = itertools.count()
         self._num_added = 0
 
@@ -377,7 +378,9 @@ class Engine:
                                  "running or finished request; ids must be unique")
         # Admitted with its prompt (again after a preemption: it replays its tokens), then one
         # token per step; its last sampled token is never written: total - 1 tokens at most.
-        reason = scheduler.manager.capacity_error(len(prompt), total - 1)
+        k = ec.num_speculative_tokens
+        reason = scheduler.manager.capacity_error(
+            len(prompt), total - 1, **({"num_lookahead_tokens": k} if k else {}))
         if reason is not None:
             raise CapacityError(f"add_request: the request can never be served: {reason}")
         index = self._num_added
@@ -508,18 +511,32 @@ class Engine:
     def _collect(self, pending: PendingDecode) -> None:
         result = self.runner.collect_decode(pending)
         reqs = pending.requests
+        emitted = int(sum(result.counts[req.seat] for req in reqs))
         if self._clock.account(variant_name(pending.residency), result.seconds,
                                "decode_seconds", compiled=result.compiled):
-            self._clock.decode_tokens += len(reqs)
+            self._clock.decode_tokens += emitted
         self.metrics.record_decode(fast=not pending.residency.reads_host, hits=result.hits,
                                    misses=result.misses,
                                    index_group_size=self.model_config.index_group_size,
                                    row_bytes=self.row_bytes)
+        m = self.metrics
+        m.decode_request_steps += len(reqs)
+        m.decode_emitted += emitted
         for req in reqs:
             self.scheduler.collected(req)
-            if result.attention is not None and not req.replaying:
-                req.attention.append(result.attention[:, req.seat])
-            self.scheduler.record(req, int(result.tokens[req.seat]))
+            count = int(result.counts[req.seat])
+            if req.step_drafts:
+                m.draft_tokens += len(req.step_drafts)
+                m.accepted_tokens += count - 1
+                req.num_drafted += len(req.step_drafts)
+                req.num_accepted += count - 1
+            if result.drafts is not None:
+                req.drafts = [int(t) for t in result.drafts[req.seat]]
+            for i in range(count):
+                if result.attention is not None and not req.replaying:
+                    req.attention.append(result.attention[:, req.seat, i])
+                if self.scheduler.record(req, int(result.tokens[req.seat, i])):
+                    break
 
     def _recover(self, st: _OpenStep, error: BaseException | None) -> None:
         """Makes the engine consistent after a step failed part-way (module docstring).

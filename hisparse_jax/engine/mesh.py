@@ -283,6 +283,9 @@ class MeshEngine(Engine):
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
                  mesh: Mesh | None = None, mesh_shape: Sequence[int] | None = None) -> None:
         config = checked_config("MeshEngine", model, config)
+        if config.num_speculative_tokens:
+            raise ValueError("MeshEngine: EngineConfig.num_speculative_tokens must be 0 (the "
+                             "mesh engine does not verify drafts yet; use Engine)")
         self.model_config = mc = model.cfg
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")

@@ -68,6 +68,10 @@ class Metrics:
     replay_mismatches: int = 0  # replayed steps that drew another token (0: exact replay)
     waits: int = 0
     device_resets: int = 0  # device arrays rebuilt after a failed step lost them
+    draft_tokens: int = 0  # speculative drafts verified
+    accepted_tokens: int = 0  # of which accepted
+    decode_request_steps: int = 0  # (request, decode step) pairs
+    decode_emitted: int = 0  # tokens those steps emitted (1 + accepted drafts each)
 
     def record_decode(self, *, fast: bool, hits: int, misses: int, index_group_size: int,
                       row_bytes: int) -> None:
@@ -155,6 +159,12 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         "replayed_tokens": m.replayed_tokens,
         "replay_mismatches": m.replay_mismatches,
         "waits": m.waits,
+        "draft_tokens": m.draft_tokens,
+        "accepted_tokens": m.accepted_tokens,
+        "acceptance_rate": m.accepted_tokens / m.draft_tokens if m.draft_tokens
+        else float("nan"),
+        "tokens_per_request_step": m.decode_emitted / m.decode_request_steps
+        if m.decode_request_steps else 0.0,
         "device_resets": m.device_resets,
         "device_bytes": device_bytes,
         "device_allocator_bytes": device_allocator_bytes,

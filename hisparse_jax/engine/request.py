@@ -27,7 +27,9 @@ class Request:
     (EngineConfig.seed, seed, i); by default seed = index). `max_new_tokens` None: generate
     until max_model_len tokens. `finish_reason` is one of `FINISH_REASONS` once it finished;
     `error` the message when it is "error". `attention` holds per-layer attention outputs
-    per generated token when `EngineConfig.collect_attention` is set.
+    per generated token when `EngineConfig.collect_attention` is set. With speculation,
+    `step_drafts` are the draft tokens its scheduled step verifies (generated tokens
+    live .. live + len - 1 if right) and `drafts` the ones its last step proposed.
     """
 
     request_id: Hashable
@@ -44,6 +46,11 @@ class Request:
     seed: int | None = None  # sampling seed; None: `index`
     error: str | None = None
     live: int = 0
+    counted: int = 0  # generated tokens the residency manager has counted (this admission)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # from its last step
+    step_drafts: list[int] = dataclasses.field(default_factory=list)  # fed in this step
+    num_drafted: int = 0  # draft tokens verified for it, and how many were accepted
+    num_accepted: int = 0
 
     @property
     def replaying(self) -> bool:

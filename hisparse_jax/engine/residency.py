@@ -85,7 +85,8 @@ class StaticResidency:
         return Admitted(request_id, self._seats[request_id].state_row, 0, n)
 
     def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
-                 new_token_ids: Sequence[int] = ()) -> None:
+                 new_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0) -> None:
+        del num_lookahead_tokens  # every page of the seat is resident already
         seat = self._seats[request_id]
         seat.num_tokens += len(new_token_ids)
         seat.scheduled = seat.num_tokens - seat.num_computed if num_tokens is None else num_tokens
@@ -121,9 +122,10 @@ class StaticResidency:
             pending_pages=frozenset(), unpinned_pages=frozenset(), ready_prefix_pages=0,
             published_pages=0)
 
-    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
+    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int, *,
+                       num_lookahead_tokens: int = 0) -> str | None:
         """None: a state row's blocks hold any request of at most max_model_len tokens."""
-        del num_prompt_tokens
+        del num_prompt_tokens, num_lookahead_tokens
         if max_total_tokens > self.max_model_len:
             return (f"a request of {max_total_tokens} tokens does not fit a state row's "
                     f"{self.max_pages} blocks of {self.block_size} (max_model_len="

@@ -111,16 +111,20 @@ class PendingDecode:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
-    """A collected decode step: tokens int[max_seats] by seat, hot hits / misses summed over
-    rows and groups, attention [L, max_seats, h, kv_lora] when collected; `compiled`: this
-    process compiled something between the dispatch and the collection."""
+    """A collected decode step: tokens int[max_seats, r] by seat (r = 1 + speculative
+    tokens; the first counts[seat] are the step's output), hot hits / misses summed over
+    rows and groups, attention [L, max_seats, r, h, kv_lora] when collected; drafts
+    int[max_seats, k] the next step's on-device drafts (k = 0: none); `compiled`: this process
+    compiled something between the dispatch and the collection."""
 
     tokens: np.ndarray
+    counts: np.ndarray
     hits: int
     misses: int
     attention: np.ndarray | None
     seconds: float
     compiled: bool = False
+    drafts: np.ndarray | None = None
 
 
 class Runner:
@@ -156,6 +160,8 @@ class Runner:
         self.topk_source = None
         if ec.topk_source is not None:
             self.topk_source = ec.topk_source.bind(num_groups=mc.num_groups, top_k=mc.top_k)
+        self.num_speculative_tokens = ec.num_speculative_tokens
+        self.draft = None if ec.draft is None else ec.draft.bind(vocab_size=mc.vocab_size)
         self._init_device_state()
         self.sample_key = self._put(base_key(ec.seed))
         self.trace_counts: collections.Counter[str] = collections.Counter()
@@ -250,18 +256,31 @@ class Runner:
 
     # ------------------------------------------------------------------ decode
 
+    def _idle_inputs(self) -> tuple[np.ndarray, ...]:
+        """Decode inputs with every batch row padding (tokens, positions, state_rows,
+        temperature, seeds, steps); tokens and positions int32[S, 1 + k] when speculating."""
+        S, k = self.cfg.max_num_reqs, self.num_speculative_tokens
+        shape = (S, 1 + k) if k else (S,)
+        return (np.zeros(shape, np.int32), np.full(shape, -1, np.int32),
+                np.full(S, -1, np.int32), np.zeros(S, np.float32), np.zeros(S, np.int32),
+                np.zeros(S, np.int32))
+
     def dispatch_decode(self, reqs: list[Request], residency: Residency) -> PendingDecode:
-        """Launches the decode step variant of `residency` for `reqs` (asynchronously)."""
-        S = self.cfg.max_num_reqs
-        tokens = np.zeros(S, np.int32)
-        positions = np.zeros(S, np.int32)
-        state_rows = np.full(S, -1, np.int32)
-        temperature = np.zeros(S, np.float32)
-        seeds = np.zeros(S, np.int32)
-        steps = np.zeros(S, np.int32)
+        """Launches the decode step variant of `residency` for `reqs` (asynchronously). With
+        speculation each request's row holds its last token and its `step_drafts`, at
+        consecutive positions (-1 past its drafts: no row)."""
+        tokens, positions, state_rows, temperature, seeds, steps = self._idle_inputs()
+        spec = self.num_speculative_tokens > 0
         for req in reqs:
-            tokens[req.seat] = req.last_live_token
-            positions[req.seat] = len(req.prompt) + req.live - 1
+            pos = len(req.prompt) + req.live - 1
+            if spec:
+                n = len(req.step_drafts)
+                tokens[req.seat, 0] = req.last_live_token
+                tokens[req.seat, 1:1 + n] = req.step_drafts
+                positions[req.seat, :1 + n] = np.arange(pos, pos + 1 + n)
+            else:
+                tokens[req.seat] = req.last_live_token
+                positions[req.seat] = pos
             state_rows[req.seat] = req.seat
             temperature[req.seat] = req.temperature
             seeds[req.seat] = _int32_bits(req.sampling_seed)
@@ -288,12 +307,22 @@ class Runner:
 
     def collect_decode(self, pending: PendingDecode) -> DecodeResult:
         """Waits for a dispatched decode step's tokens and counters."""
-        tokens, hits, misses = jax.device_get((pending.tokens, pending.aux["hits"],
-                                               pending.aux["misses"]))
+        out, hits, misses = jax.device_get((pending.tokens, pending.aux["hits"],
+                                            pending.aux["misses"]))
         seconds = time.perf_counter() - pending.started
+        S = self.cfg.max_num_reqs
         attention = np.asarray(pending.aux["attention"]) if "attention" in pending.aux else None
-        return DecodeResult(tokens, int(hits.sum()), int(misses.sum()), attention, seconds,
-                            compiled=CompileWatch.count != pending.compiles)
+        if self.num_speculative_tokens:
+            tokens, counts, drafts = out
+            if attention is not None:
+                attention = attention.reshape(attention.shape[0], S, -1, *attention.shape[2:])
+        else:
+            tokens, counts, drafts = out[:, None], np.ones(S, np.int32), None
+            if attention is not None:
+                attention = attention[:, :, None]
+        return DecodeResult(tokens, counts, int(hits.sum()), int(misses.sum()), attention,
+                            seconds, compiled=CompileWatch.count != pending.compiles,
+                            drafts=drafts)
 
     # ------------------------------------------------------------------ prefill
 
@@ -372,10 +401,8 @@ class Runner:
         """
         cfg, S = self.cfg, self.cfg.max_num_reqs
         warmed: dict[str, list[Any]] = collections.defaultdict(list)
-        zeros = np.zeros(S, np.int32)
         for name, residency in self._reachable_variants() if decode else ():
-            jax.block_until_ready(self._decode(residency, zeros, zeros, np.full(S, -1, np.int32),
-                                               np.zeros(S, np.float32), zeros, zeros))
+            jax.block_until_ready(self._decode(residency, *self._idle_inputs()))
             warmed["decode"].append(name)
         for T in sorted({self.prefill_length(n) for n in range(1, cfg.max_model_len)}):
             token, _ = self._prefill(np.zeros(T, np.int32), 1, S, np.full(T, -1, np.int32),
@@ -455,7 +482,9 @@ class Runner:
     def decode_fn(self) -> Callable[..., Any]:
         """The decode step before `jax.jit`: (params, cache, tokens, positions, state_rows,
         tables, host_pools, temperature, key, seeds, topk_state, steps) -> (tokens, cache,
-        aux); the cache's residency picks the variant."""
+        aux); the cache's residency picks the variant. With speculation: `verify_fn`."""
+        if self.num_speculative_tokens:
+            return self.verify_fn()
         graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
         source = self.topk_source
 
@@ -472,7 +501,67 @@ class Runner:
             logits, cache, aux = model.decode(
                 cache, DecodeBatch(tokens, kv, topk), attention_backend=ec.attention_backend,
                 collect_attention=ec.collect_attention)
+            del aux["hidden"]
             return sample(logits, temperature, keys), cache, aux
+
+        return step
+
+    def verify_fn(self) -> Callable[..., Any]:
+        """The speculative decode step before `jax.jit`: the arguments of `decode_fn` with
+        tokens and positions int32[S, r] (r = 1 + k: a request's last token and its drafts,
+        position -1 past them) -> ((tokens int32[S, r], counts int32[S], drafts int32[S, k]),
+        cache, aux).
+
+        All S * r rows run as one decode batch (`CacheBatch.rows_per_request` = r). Row i of a
+        request samples its token i (the key decoding without speculation uses for it);
+        draft i + 1 is accepted when row i sampled it (or, with a source's acceptance_rate,
+        with that probability), and the run of accepted drafts ends at the first rejection.
+        A request emits its a accepted drafts and the token of row a: counts = a + 1. Rows
+        past a wrote rows of rejected positions: the next step writes those positions again
+        before any row reads them (its first row is position a + 1 of this step's). Then the
+        draft source drafts the next step's tokens from row a (`DraftSource.device_drafts`;
+        zeros for a host-side source)."""
+        graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
+        source, draft = self.topk_source, self.draft
+        k = self.num_speculative_tokens
+        r = 1 + k
+        rate = draft.acceptance_rate
+
+        def step(params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
+                 key, seeds, topk_state, steps):
+            params = jax.tree.unflatten(treedef, params)
+            S = state_rows.shape[0]
+            col = jnp.arange(r, dtype=jnp.int32)
+            row_steps = (steps[:, None] + col).reshape(-1)  # decode steps since the prefill
+            keys = token_keys(key, jnp.repeat(seeds, r), row_steps + 1)
+            srows = jnp.repeat(state_rows, r)
+            pos = positions.reshape(-1)
+            src, res, hot = tables
+            kv = CacheBatch.from_tables(srows, pos, src=src, res=res, hot=hot,
+                                        host_pools=host_pools, rows_per_request=r)
+            topk = None if source is None else source.select(topk_state, srows, pos, row_steps)
+            model = nnx.merge(graphdef, params)
+            logits, cache, aux = model.decode(
+                cache, DecodeBatch(tokens.reshape(-1), kv, topk),
+                attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
+            hidden = aux.pop("hidden").reshape(S, r, -1)
+            sampled = sample(logits, jnp.repeat(temperature, r), keys).reshape(S, r)
+            drafts, present = tokens[:, 1:], positions[:, 1:] >= 0
+            if rate is None:
+                right = drafts == sampled[:, :-1]
+            else:
+                u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 0xACC)))(keys)
+                right = u.reshape(S, r)[:, :-1] < rate
+            accepted = jnp.sum(jnp.cumprod(right & present, axis=1), axis=1).astype(jnp.int32)
+            padded = jnp.concatenate([drafts, jnp.zeros((S, 1), jnp.int32)], 1)
+            out = jnp.where(col[None, :] < accepted[:, None], padded, sampled)
+            last = jnp.take_along_axis(out, accepted[:, None], 1)[:, 0]
+            if draft.on_device:
+                h = jnp.take_along_axis(hidden, accepted[:, None, None], 1)[:, 0]
+                nxt = draft.device_drafts(model, h, last, k).astype(jnp.int32)
+            else:
+                nxt = jnp.zeros((S, k), jnp.int32)
+            return (out, accepted + 1, nxt), cache, aux
 
         return step
 

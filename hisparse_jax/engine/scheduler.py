@@ -85,8 +85,10 @@ class Scheduler:
     """
 
     def __init__(self, manager: Any, transfers: Any, cfg: HiSparseConfig,
-                 residency: Residency, metrics: Metrics) -> None:
+                 residency: Residency, metrics: Metrics, *, draft: Any = None) -> None:
         self.manager = manager
+        self.num_speculative_tokens = cfg.num_speculative_tokens
+        self.draft = draft  # the DraftSource (None without speculation)
         self.transfers = transfers
         self.cfg = cfg
         self.residency = residency
@@ -126,8 +128,15 @@ class Scheduler:
         self._finish_failed_restores()
         decode, waited = self.pass_decode, []
         for req in list(self.running.values()):
-            result = manager.schedule(req.request_id, new_token_ids=[req.last_live_token])
-            (waited if result is not None else decode).append(req)
+            drafts = self._drafts(req) if self.num_speculative_tokens else []
+            kw = {"num_lookahead_tokens": len(drafts)} if drafts else {}
+            result = manager.schedule(req.request_id,
+                                      new_token_ids=req.generated[req.counted:req.live], **kw)
+            if result is None:
+                req.counted, req.step_drafts = req.live, drafts
+                decode.append(req)
+            else:
+                waited.append(req)
         m.waits += len(waited)
         admitted = self._admit()
         if not decode and not admitted:
@@ -139,6 +148,21 @@ class Scheduler:
                 manager.all_pages_resident(req.request_id) for req in decode):
             residency = AllResident()
         return ScheduledStep(plan, list(decode), list(admitted), residency)
+
+    def _drafts(self, req: Request) -> list[int]:
+        """The draft tokens `req`'s next step verifies: up to num_speculative_tokens, fewer
+        when its last tokens are near (the step emits at most len + 1 tokens and writes no row
+        past the last token it will feed); while it replays, its known tokens."""
+        limit = (req.max_new_tokens if req.max_new_tokens is not None
+                 else self.cfg.max_model_len - len(req.prompt))
+        n = min(self.num_speculative_tokens, limit - 1 - req.live)
+        if n <= 0:
+            return []
+        if req.replaying:
+            return req.generated[req.live:req.live + n]
+        if self.draft.on_device:
+            return req.drafts[:n]
+        return [int(t) for t in self.draft.propose(req, n)]
 
     def _admit(self) -> list[Request]:
         manager, hot_blocks = self.manager, self.manager.hot_blocks
@@ -268,7 +292,8 @@ class Scheduler:
         if req in self.pass_decode:
             self.pass_decode.remove(req)
         req.generated.pop()
-        req.live = 0
+        req.live = req.counted = 0
+        req.drafts, req.step_drafts = [], []
         if req.attention:
             req.attention.pop()
         self.metrics.generated_tokens -= 1
@@ -282,6 +307,8 @@ class Scheduler:
         (released like a preemption; its tokens are unchanged)."""
         self.manager.preempt(req.request_id)
         self.pass_admitted.remove(req)
+        req.counted = 0
+        req.drafts, req.step_drafts = [], []
         req.num_preemptions += 1
         self.metrics.preemptions += 1
         req.seat = -1

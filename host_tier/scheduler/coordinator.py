@@ -263,7 +263,8 @@ class Coordinator:
         failed, self._failed = tuple(self._failed), {}
         return failed
 
-    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
+    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int, *,
+                       num_lookahead_tokens: int = 0) -> str | None:
         """Whether these pools serve a request to completion when it runs alone. Changes nothing.
 
         The request is admitted with its whole prompt (`num_prompt_tokens`), then writes one
@@ -275,6 +276,11 @@ class Coordinator:
         worker's reports (a step that must wait for blocks succeeds once every copy in flight
         is reported); a reason means it never finishes (a stall, or `admit` raises
         `CapacityError`).
+
+        With `num_lookahead_tokens` (`schedule`: rows written past the counted tokens, at
+        positions below max_total_tokens) the request's pages open up to that many tokens
+        earlier; the answer then stays sufficient (None is still a guarantee) but may refuse
+        a request that an earlier hot-region ask would have saved.
 
         Returns:
           None, or the reason: the limit ("max_model_len", "host pool", "device pool") and the
@@ -289,6 +295,11 @@ class Coordinator:
             raise ValueError(
                 f"Coordinator.capacity_error: max_total_tokens={T} is less than "
                 f"num_prompt_tokens={P} (it counts the prompt too)")
+        la = check_int("Coordinator.capacity_error", "num_lookahead_tokens",
+                       num_lookahead_tokens, minimum=0)
+        if la >= self.block_size:
+            raise ValueError(f"Coordinator.capacity_error: num_lookahead_tokens must be < "
+                             f"block_size={self.block_size}, got {la}")
         B, H = self.block_size, self.hot_blocks
         usable, host_usable = self.device_pool.num_usable, self.host_pool.num_usable
         if T > self.max_model_len:
@@ -311,9 +322,10 @@ class Coordinator:
             ask = P
         if ask >= T:
             return None  # it ends before it asks: never more than its own pages (rule above)
-        # The grant comes with the step that writes token `ask`: every page is still pinned.
+        # The grant comes with the step that writes token `ask`: every page is still pinned
+        # (and the step's lookahead rows may open one more).
         pages = cdiv(ask, B)
-        opens = 1 if ask == pages * B else 0
+        opens = cdiv(min(ask + 1 + la, T), B) - pages
         need = pages + opens + H
         if need > usable:
             return (f"device pool: alone, the request asks for its hot region once it holds "
@@ -433,7 +445,8 @@ class Coordinator:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
-                 new_token_ids: Sequence[int] = ()) -> Wait | None:
+                 new_token_ids: Sequence[int] = (),
+                 num_lookahead_tokens: int = 0) -> Wait | None:
         """Schedules the next `num_tokens` tokens of a running request in this pass.
 
         `new_token_ids` are appended first (e.g. the token sampled by the previous step); by
@@ -441,18 +454,31 @@ class Coordinator:
         then allocates the device pages the tokens need. (Pages past the prompt get their host
         block when they seal; while the host pool is full a sealed page stays pinned.)
 
+        `num_lookahead_tokens` (an int in [0, block_size)): the step also writes rows at the
+        next that many positions past the scheduled tokens (speculative draft tokens, capped
+        at max_model_len), which do not count as computed: their pages are allocated and kept
+        resident, but they seal nothing and are never spilled. The caller schedules a
+        position again (as a token) once its row is final; until then the row may be
+        rewritten by a later step (`docs/semantics.md`, speculative rows).
+
         Returns:
           None when scheduled; `Wait` (nothing changed) when the device pool is short.
 
         Raises:
-          ValueError: unknown request, already scheduled in this pass, invalid tokens, or more
-            than max_model_len tokens.
+          ValueError: unknown request, already scheduled in this pass, invalid tokens, more
+            than max_model_len tokens, or num_lookahead_tokens out of range.
         """
+        la = num_lookahead_tokens
+        if la and (not is_int(la) or not 0 <= la < self.block_size):
+            raise ValueError(
+                f"schedule: num_lookahead_tokens must be an int in [0, block_size="
+                f"{self.block_size}) (lookahead rows may open at most one page), got {la!r}")
         r = self._requests.get(request_id)
         if (r is not None and not r.scheduled and num_tokens is None
                 and len(new_token_ids) == 1 and r.num_computed == len(r.token_ids)
                 and r.num_computed < self.max_model_len
-                and r.num_computed < len(r.res_blocks) * self.block_size
+                and min(r.num_computed + la, self.max_model_len - 1)
+                < len(r.res_blocks) * self.block_size
                 and r.num_computed < len(r.host_blocks) * self.block_size
                 and (r.hot or not r.hot_required)):
             # The decode step of a request with room in its pages: one token, nothing to
@@ -480,7 +506,8 @@ class Coordinator:
                 f"yet), got {num_tokens!r}")
         n = int(n)
         end = r.num_computed + n
-        new_pages = max(cdiv(end, self.block_size) - len(r.res_blocks), 0)
+        page_end = min(end + int(la), self.max_model_len)  # lookahead rows need pages too
+        new_pages = max(cdiv(page_end, self.block_size) - len(r.res_blocks), 0)
         grant_hot = r.hot_required and not r.hot
         need = new_pages + (self.hot_blocks if grant_hot else 0)
         if need > self.device_pool.num_usable:
@@ -497,7 +524,7 @@ class Coordinator:
             self._residency.grant_hot_region(r)
         if new_pages:
             r.res_blocks.extend(self.device_pool.allocate(new_pages))
-        new_host_pages = cdiv(end, self.block_size) - len(r.host_blocks)
+        new_host_pages = cdiv(page_end, self.block_size) - len(r.host_blocks)
         if new_host_pages > 0:
             # Host blocks of pages past the prompt are bound when the page seals (its spill is
             # planned): sealed pages get free host blocks first, the tail does not need one.

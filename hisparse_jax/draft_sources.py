@@ -1,0 +1,144 @@
+"""Where speculative draft tokens come from (`EngineConfig.draft_source`).
+
+With `EngineConfig.num_speculative_tokens` = k > 0, every decode step of a request feeds its
+last token and up to k draft tokens (k + 1 query rows of one request, resolved together:
+`hisparse_jax.cache.HiSparse`), samples a token at every row and keeps the longest run of
+drafts that were right, plus the token sampled after it (`hisparse_jax.engine.runner`).
+
+Acceptance. A draft is accepted when it equals the token its row samples, drawn with the key
+that decoding without speculation would use for that token (`engine.sampler.token_keys`), so
+the output equals decoding without speculation, greedy or not. The exception is a source with
+an `acceptance_rate` (`AcceptanceRateDraft`): a benchmark device that accepts each draft with
+that probability whatever it is, and so emits tokens the model did not choose.
+
+Sources:
+
+  * `MTPDraft`: the model's multi-token-prediction module (`hisparse_jax.nn.MTPHead`, built
+    with `ModelConfig.mtp_layers=1`) drafts k tokens at the end of each step from the hidden
+    state of the last accepted row. A randomly initialised module almost never agrees with its
+    model: use `AcceptanceRateDraft` to benchmark a trained one's acceptance.
+  * `AcceptanceRateDraft(acceptance_rate)`: benchmarks only (the output is not the model's).
+  * `ScriptedDraft`: drafts from known outputs, right or wrong as a given pattern says (tests:
+    forced accept / reject patterns with exact outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+
+class DraftSource:
+    """Base of the draft sources (module docstring).
+
+    Attributes:
+      on_device: drafts come out of the decode step (`device_drafts`, inside jit); otherwise
+        the engine asks `propose` on the host before each step.
+      acceptance_rate: None (a draft is accepted when it equals the sampled token: exact), or
+        the probability with which each draft is accepted regardless (benchmarks).
+    """
+
+    on_device: ClassVar[bool] = True
+    acceptance_rate: float | None = None
+
+    def bind(self, *, vocab_size: int) -> DraftSource:
+        """The source for a model of `vocab_size` tokens (default: itself)."""
+        del vocab_size
+        return self
+
+    def check_model(self, model_config: Any) -> None:
+        """ValueError naming `EngineConfig.draft_source` when the model cannot serve it."""
+
+    def device_drafts(self, model: Any, hidden: jax.Array, tokens: jax.Array,
+                      num_tokens: int) -> jax.Array:
+        """Drafts int32[N, num_tokens] for the next step, inside the step: hidden [N, hidden] is
+        the last hidden state of each request's last accepted row, tokens int32[N] the token
+        it sampled (the next step's first input)."""
+        raise NotImplementedError
+
+    def propose(self, request: Any, num_tokens: int) -> list[int]:
+        """Host-side drafts for `request`'s next step: its generated tokens `live` ..
+        `live + num_tokens - 1` (`hisparse_jax.engine.request.Request`)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDraft(DraftSource):
+    """Drafts of the model's MTP module (`hisparse_jax.nn.Transformer.draft`), greedy."""
+
+    def check_model(self, model_config: Any) -> None:
+        if not getattr(model_config, "mtp_layers", 0):
+            raise ValueError(
+                f"EngineConfig.draft_source=MTPDraft() needs a model with an MTP module; "
+                f"{model_config.name!r} has mtp_layers=0 (build it with mtp_layers=1, or pick "
+                "another draft source)")
+
+    def device_drafts(self, model, hidden, tokens, num_tokens):
+        return model.draft(hidden, tokens, num_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceRateDraft(DraftSource):
+    """Benchmarks: each draft is accepted with probability `acceptance_rate` (independently;
+    the first rejection ends the run), decided by a key of the request's sampling seed and
+    the token's index, so a replay decides alike. The drafts are placeholders (the last
+    sampled token, repeated) and accepted drafts are emitted as they are: the output is not
+    the model's. Per step a request then emits 1 + a tokens, E[a] = sum_i rate^i (i = 1..k).
+    """
+
+    acceptance_rate: float = 0.8
+
+    def __post_init__(self) -> None:
+        rate = self.acceptance_rate
+        if (not isinstance(rate, (int, float)) or isinstance(rate, bool)
+                or not math.isfinite(rate) or not 0.0 <= rate <= 1.0):
+            raise ValueError(f"AcceptanceRateDraft.acceptance_rate must be a number in [0, 1], "
+                             f"got {rate!r}")
+
+    def device_drafts(self, model, hidden, tokens, num_tokens):
+        del model, hidden
+        return jnp.broadcast_to(tokens[:, None], (tokens.shape[0], num_tokens))
+
+
+class ScriptedDraft(DraftSource):
+    """Host-side drafts from known outputs (tests): the draft for generated token j of the
+    request with add_request index i is `reference[i][j]` when `accept(i, j)` is true, else a
+    different token ((reference[i][j] + 1) % vocab); past the reference, token 0.
+
+    Args:
+      reference: generated tokens per request index (e.g. a run without speculation).
+      accept: (request index, generated token index) -> whether its draft is right.
+    """
+
+    on_device = False
+
+    def __init__(self, reference: Mapping[int, Sequence[int]],
+                 accept: Callable[[int, int], bool], *, vocab_size: int | None = None) -> None:
+        self.reference = {int(i): list(t) for i, t in reference.items()}
+        self.accept = accept
+        self.vocab_size = vocab_size
+        self.proposed = 0  # drafts handed out
+        self.right = 0  # of which equal to the reference
+
+    def bind(self, *, vocab_size: int) -> ScriptedDraft:
+        self.vocab_size = vocab_size
+        return self
+
+    def propose(self, request, num_tokens):
+        ref = self.reference.get(request.index, [])
+        out = []
+        for j in range(request.live, request.live + num_tokens):
+            if j >= len(ref):
+                out.append(0)
+            elif self.accept(request.index, j):
+                out.append(ref[j])
+                self.right += 1
+            else:
+                out.append((ref[j] + 1) % self.vocab_size)
+        self.proposed += len(out)
+        return out

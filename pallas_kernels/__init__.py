@@ -5,6 +5,8 @@
                                                         one-launch gather_compact_group)
   mirror_rows/               reference.py, triton.py
   invalidate_written_rows/   reference.py, triton.py
+  stage_prefill_rows/        reference.py, triton.py  (a prefill chunk's selected rows into
+                                                        every layer's staging buffer, one launch)
   sparse_mla_decode/         reference.py, triton.py, mosaic_gpu.py (jax >= 0.11 only)
 
 In each module the entry function is named after the op and takes the arguments of the

@@ -161,6 +161,34 @@ def oracle_invalidate(slot_rows, state_rows_per_token, written_rows):
     return slot_rows
 
 
+
+def oracle_stage_prefill(host_pools, caches, staging, positions, source_blocks,
+                         resident_blocks, block_size):
+    """`docs/prefill_staging.md`, row by row: (staging buffers, rows from the device, rows
+    from the host). The resident copy wins; a block id past its array is no copy (a resident
+    one does not fall back to the host); everything else keeps what was passed in."""
+    out = [np.array(s, copy=True) for s in staging]
+    num_blocks, host_blocks = caches[0].shape[0], host_pools[0].shape[0]
+    from_device = from_host = 0
+    for m, p in enumerate(int(t) for t in positions):
+        q = p // block_size
+        if p < 0 or q >= len(source_blocks):
+            continue
+        res, src = int(resident_blocks[q]), int(source_blocks[q])
+        if res > 0:
+            if res >= num_blocks:
+                continue
+            tables, block = caches, res
+            from_device += 1
+        elif 0 < src < host_blocks:
+            tables, block = host_pools, src
+            from_host += 1
+        else:
+            continue
+        for layer, table in enumerate(tables):
+            out[layer][m] = np.asarray(table)[block, p % block_size]
+    return out, from_device, from_host
+
 @dataclasses.dataclass
 class ResolveCase:
     slot_rows: np.ndarray

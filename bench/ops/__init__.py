@@ -5,6 +5,8 @@
   gather_compact.py           pinned_host -> device row gather vs bulk device_put and the
                               reference; the index group (one launch vs per layer)
   mirror_rows.py              device -> pinned_host pages vs bulk device_put and the reference
+  stage_prefill_rows.py       prefill staging rows (half resident, half pinned_host) vs bulk
+                              device_put of the host rows and the reference; L=8 in one launch
   invalidate_written_rows.py  tuning sweep (INVALIDATE_VARIANTS), kernel vs jnp
   sparse_mla_decode.py        attention candidates (ATTENTION_VARIANTS, ...) vs the reference
 

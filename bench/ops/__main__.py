@@ -23,6 +23,7 @@ LIMITS = {
     "invalidate_written_rows": 90,
     "gather_compact": 120,
     "mirror_rows": 90,
+    "stage_prefill_rows": 120,    # one layer at 3 sizes, and L = 8 at 16384 rows
     "sparse_mla_decode": 240,      # bf16 and fp8_ds_mla rows
 }
 

@@ -6,15 +6,17 @@
   gather_compact_group             the same plan into every layer of an index group
   mirror_rows                      device cache -> host pool rows (`copies.py`)
   restore_rows                     host -> device rows of the host tier's restores
+  stage_prefill_rows, StagedRows   a prefill chunk's selected rows -> per-layer staging
+                                   buffers, resident copy first, else host (`staging.py`)
   sparse_mla_decode                attention over the selected flat rows (`attention.py`)
 
 Every op validates its arguments before any work (ValueError / TypeError naming the argument
 and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
 or None (the best backend that supports the inputs on a GPU, else "reference"); the rules are
-in `_registry.py`. Semantics of the residency ops: `docs/semantics.md`. KV rows come in two
-formats (`KV_FORMATS`, `pallas_kernels/kv_format.py`, `docs/kv_format.md`): the copies move
-either as rows of any dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes
-`kv_format=`.
+in `_registry.py`. Semantics of the residency ops: `docs/semantics.md`; of the prefill
+staging copy: `docs/prefill_staging.md`. KV rows come in two formats (`KV_FORMATS`,
+`pallas_kernels/kv_format.py`, `docs/kv_format.md`): the copies move either as rows of any
+dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes `kv_format=`.
 """
 
 from hisparse_jax.ops._registry import BACKENDS, registered_backends
@@ -26,12 +28,14 @@ from hisparse_jax.ops.copies import (
     restore_rows,
 )
 from hisparse_jax.ops.residency import Resolution, invalidate_written_rows, resolve_residency
+from hisparse_jax.ops.staging import StagedRows, stage_prefill_rows
 from pallas_kernels.kv_format import KV_FORMATS
 
 __all__ = [
     "BACKENDS",
     "KV_FORMATS",
     "Resolution",
+    "StagedRows",
     "gather_compact",
     "gather_compact_group",
     "invalidate_written_rows",
@@ -40,4 +44,5 @@ __all__ = [
     "resolve_residency",
     "restore_rows",
     "sparse_mla_decode",
+    "stage_prefill_rows",
 ]

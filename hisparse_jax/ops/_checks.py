@@ -289,6 +289,77 @@ def validate_group(host_pools, kv_caches) -> None:
             raise type(e)(f"layer {i}: {e}") from None
 
 
+def _layers(name: str, value: Any) -> tuple[Any, ...]:
+    """`value` as a tuple of per-layer arrays; TypeError for a lone array or a non-sequence."""
+    if hasattr(value, "shape") or not isinstance(value, (tuple, list)):
+        raise TypeError(f"{name} must be a sequence (tuple or list) of per-layer arrays, got "
+                        f"{type(value).__name__}")
+    return tuple(value)
+
+
+def check_device_array(name: str, x: Any) -> None:
+    if _compat.in_host_memory(x):
+        raise ValueError(f"{name} must live in device memory, got a host-memory array")
+
+
+def validate_stage_prefill(host_pools, caches, staging, positions, source_blocks,
+                           resident_blocks, block_size) -> int:
+    """The shape, dtype, memory-kind and static rules of `stage_prefill_rows`; returns
+    block_size as an int.
+
+    L >= 1 layers in each of host_pools, caches and staging. Layer l: host_pools[l]
+    [host_blocks, B, W] in pinned_host memory, caches[l] [num_blocks, B, W] and staging[l]
+    [M, W] in device memory, all three of one dtype and width W >= 1 (which may differ
+    between layers); B == block_size, and host_blocks and num_blocks the same in every layer (one
+    pair of block tables addresses them all). positions int32[M]; source_blocks and
+    resident_blocks int32[P] of one length.
+    """
+    host_pools = _layers("host_pools", host_pools)
+    caches = _layers("caches", caches)
+    staging = _layers("staging", staging)
+    if not len(host_pools) == len(caches) == len(staging):
+        raise ValueError(f"host_pools, caches and staging must hold one array per layer, got "
+                         f"{len(host_pools)}, {len(caches)} and {len(staging)} layers")
+    if not staging:
+        raise ValueError("host_pools, caches and staging must hold at least one layer, got 0")
+    block_size = check_static_int("block_size", block_size, minimum=1)
+    check_array("positions", positions, ndim=1, dtype=jnp.int32)
+    check_same_length("source_blocks", source_blocks, "resident_blocks", resident_blocks)
+    m = positions.shape[0]
+    for i, (pool, cache, buf) in enumerate(zip(host_pools, caches, staging, strict=True)):
+        check_array(f"host_pools[{i}]", pool, ndim=3)
+        check_array(f"caches[{i}]", cache, ndim=3)
+        check_array(f"staging[{i}]", buf, ndim=2)
+        check_host_pool(f"host_pools[{i}]", pool)
+        check_device_array(f"caches[{i}]", cache)
+        check_device_array(f"staging[{i}]", buf)
+        for name, x in ((f"host_pools[{i}]", pool), (f"caches[{i}]", cache)):
+            if x.shape[1] != block_size:
+                raise ValueError(f"{name} must be [blocks, block_size={block_size}, W], got "
+                                 f"shape {tuple(x.shape)}")
+        if buf.shape[0] != m:
+            raise ValueError(f"staging[{i}] has {buf.shape[0]} rows but positions has M={m} "
+                             "entries; the rule is one staging row per position")
+        width = buf.shape[1]
+        if width < 1:
+            raise ValueError(f"staging[{i}] rows must be at least 1 wide, got shape "
+                             f"{tuple(buf.shape)}")
+        for name, x in ((f"host_pools[{i}]", pool), (f"caches[{i}]", cache)):
+            if x.shape[2] != width:
+                raise ValueError(f"row_width mismatch: {name} rows are {x.shape[2]} wide, "
+                                 f"staging[{i}] rows {width}")
+            if x.dtype != buf.dtype:
+                raise TypeError(f"{name} dtype {x.dtype} must equal staging[{i}] dtype "
+                                f"{buf.dtype}")
+        for name, x, first in ((f"host_pools[{i}]", pool, host_pools[0]),
+                               (f"caches[{i}]", cache, caches[0])):
+            if x.shape[0] != first.shape[0]:
+                raise ValueError(f"{name} has {x.shape[0]} blocks but layer 0 has "
+                                 f"{first.shape[0]}; every layer must have the same number "
+                                 "of blocks (one block table addresses them all)")
+    return block_size
+
+
 # --------------------------------------------------------------------------- attention
 
 

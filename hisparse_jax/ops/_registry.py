@@ -39,6 +39,7 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gather_compact": ("gather_compact", ("reference", "triton")),
     "gather_compact_group": ("gather_compact", ("reference", "triton")),
     "mirror_rows": ("mirror_rows", ("reference", "triton")),
+    "stage_prefill_rows": ("stage_prefill_rows", ("reference", "triton")),
     "sparse_mla_decode": ("sparse_mla_decode", ("reference", "triton", "mosaic_gpu")),
 }
 
@@ -51,6 +52,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "gather_compact": ("triton", "reference"),
     "gather_compact_group": ("triton", "reference"),
     "mirror_rows": ("triton", "reference"),
+    "stage_prefill_rows": ("triton", "reference"),
     "sparse_mla_decode": ("triton", "reference"),
 }
 

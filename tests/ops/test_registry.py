@@ -28,7 +28,7 @@ def test_vocabulary():
     assert ops.registered_backends("sparse_mla_decode") == ops.BACKENDS
     assert set(_registry.ops()) == {"resolve_residency", "invalidate_written_rows",
                                     "gather_compact", "gather_compact_group", "mirror_rows",
-                                    "sparse_mla_decode"}
+                                    "stage_prefill_rows", "sparse_mla_decode"}
 
 
 def test_every_implementation_is_named_after_its_op():

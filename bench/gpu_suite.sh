@@ -8,7 +8,7 @@
 #        a before/after comparison on the same machine), decode_fp8 / e2e_fp8 (the decode
 #        check and bf16 against fp8_ds_mla KV rows at 1, 64, 256 requests), or one op benchmark:
 #        resolve_residency gather_compact mirror_rows invalidate_written_rows sparse_mla_decode
-#        (`ops` runs all five); spec_gpu (the GPU-scale speculative exactness test),
+#        stage_prefill_rows (`ops` runs them all); spec_gpu (the GPU-scale speculative exactness test),
 #        decode_spec (the decode check with 2 MTP draft tokens per step), speculative (the
 #        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
@@ -66,7 +66,7 @@ run_step() {  # name, time limit in s, command...
       engine_gpu) run_step engine_gpu 420 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
-      resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode)
+      resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows)
         run_step "$step" 250 python3 -m bench.ops."$step" ;;
       *) echo "unknown step $step" ;;
     esac

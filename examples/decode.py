@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tiny576 or dsv32-2l; docs/kv_format.md)")
     p.add_argument("--speculative-tokens", type=_int_at_least_0, default=0, metavar="K",
                    help="draft tokens verified per request and step (0: no speculation); the "
-                        "drafts come from the model's MTP module (built with it), so the "
-                        "tokens equal decoding without speculation (--check compares them)")
+                        "drafts come from the model's MTP module (built with it); --check "
+                        "compares with all-resident decoding with the same speculation")
     p.add_argument("--acceptance-rate", type=probability, default=None, metavar="R",
                    help="with --speculative-tokens: accept each draft with probability R "
                         "instead (a benchmark device: the tokens are then not the model's)")
@@ -279,12 +279,11 @@ def model_config(args: argparse.Namespace) -> nn.ModelConfig:
 
 
 def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
-                  all_resident: bool, speculate: bool = True) -> EngineConfig:
-    """The EngineConfig of one mode (sizes derived from the flags; builds nothing);
-    `speculate=False`: without speculation (--check's baseline)."""
+                  all_resident: bool) -> EngineConfig:
+    """The EngineConfig of one mode (sizes derived from the flags; builds nothing)."""
     B = args.block_size
     pages = cdiv(args.max_model_len, B)
-    k = args.speculative_tokens if speculate else 0
+    k = args.speculative_tokens
     hot_size = (args.hot_size if args.hot_size is not None
                 else HiSparseConfig.default_hot_size(cfg.top_k, B, k))
     hot_blocks = cdiv(hot_size, B)
@@ -444,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [args.all_resident] + ([True] if args.check else [])
     try:                                  # every config the run needs, before any work
         cfg = model_config(args)
-        # --check's baseline decodes without speculation: the tokens must be the same.
-        configs = [engine_config(args, cfg, all_resident=mode, speculate=i == 0)
-                   for i, mode in enumerate(modes)]
+        configs = [engine_config(args, cfg, all_resident=mode) for mode in modes]
         for ec in configs:
             ec.hisparse_config(cfg)       # the sizes' rules (HiSparseConfig), builds nothing
     except (ValueError, TypeError) as e:

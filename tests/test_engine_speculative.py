@@ -27,9 +27,8 @@ TEMPERATURES = [0.0, 0.0, 0.0, 0.0, 0.7, 1.0]  # requests 4, 5 sample
 
 
 def _random_pattern(seed):
-    rng = random.Random(seed)
-    table = [[rng.random() < 0.6 for _ in range(GEN + 8)] for _ in PROMPTS]
-    return lambda i, j: table[i][j]
+    """(request index, token index) -> right with probability 0.6, fixed by the seed."""
+    return lambda i, j: random.Random(seed * 1_000_003 + i * 4099 + j).random() < 0.6
 
 
 # Request index -> which of its drafts are right (by generated token index).
@@ -204,32 +203,40 @@ def test_gpu_scale_speculation_under_pressure_matches_plain_decoding():
     """dsv32-2l (top_k 2048) on the GPU kernels: 8 requests of ~3000-3500 tokens on a device
     pool of 400 blocks of 64 rows; k = 1 and 2 drafts per step (random right / wrong
     pattern), each step's 2-3 query rows per request resolved as one union by the Triton
-    kernel; greedy tokens identical to all-resident decoding without speculation."""
+    kernel. Greedy tokens are identical to all-resident decoding without speculation whose
+    decode batch has as many rows (8 (1 + k) seats): on the GPU a bf16 matmul of another row
+    count may round differently, and a near-tie of the random model can then flip a token,
+    so the baseline keeps the row count (the model's arithmetic per row is then the same)."""
     import jax
 
     model = nn.init_model("dsv32-2l", seed=0)
     prompts = [np.random.default_rng(i).integers(0, 129280, 3000 + 71 * i).tolist()
                for i in range(8)]
-    base = dict(max_seats=8, max_model_len=4096, block_size=64, prefill_bucket=4096,
+    base = dict(max_model_len=4096, block_size=64, prefill_bucket=4096,
                 compilation_cache=True)
-    runs = {}
-    for name, extra in (("plain", dict(all_resident=True)),
-                        ("k1", dict(num_gpu_blocks=400, hot_size=4096, num_speculative_tokens=1)),
-                        ("k2", dict(num_gpu_blocks=400, hot_size=6144, num_speculative_tokens=2))):
-        if name != "plain":
-            extra["draft_source"] = ScriptedDraft(
-                {r.index: r.generated for r in runs["plain"][1]}, _random_pattern(3))
+
+    def serve(**extra):
         engine = Engine(model, EngineConfig(**base, **extra))
         ids = [engine.add_request(p, max_new_tokens=24) for p in prompts]
         out = engine.run()
-        runs[name] = (engine.summary(), [out[i] for i in ids])
         engine.close()
-    _, ref = runs["plain"]
-    for name in ("k1", "k2"):
-        s, out = runs[name]
-        print(name, s)
+        return engine.summary(), [out[i] for i in ids]
+
+    same_rows_as_plain8 = None
+    for k in (1, 2):
+        _, plain = serve(max_seats=8 * (1 + k), all_resident=True)
+        s, out = serve(max_seats=8, num_gpu_blocks=400, hot_size=2048 * (1 + k),
+                       num_speculative_tokens=k, draft_source=ScriptedDraft(
+                           {r.index: r.generated for r in plain}, _random_pattern(3)))
+        print(k, s)
         assert s["hot_grants"] > 0 and s["rows_moved_h2d"] > 0 and s["lost_pages"] > 0, s
         assert s["accepted_tokens"] > 0 and s["tokens_per_request_step"] > 1.0, s
-        for a, b in zip(ref, out, strict=True):
-            assert a.generated == b.generated, (name, a.request_id, a.generated, b.generated)
+        for a, b in zip(plain, out, strict=True):
+            assert a.generated == b.generated, (k, a.request_id, a.generated, b.generated)
+        if same_rows_as_plain8 is None:
+            _, plain8 = serve(max_seats=8, all_resident=True)
+            same_rows_as_plain8 = [a.generated == b.generated
+                                   for a, b in zip(plain8, plain, strict=True)]
+            print("plain decoding, 8 vs 16 batch rows, same tokens per request:",
+                  same_rows_as_plain8)
     assert jax.default_backend() == "gpu"

@@ -14,10 +14,11 @@ resolved as one union (`docs/semantics.md`); the default hot region grows to
 For each concurrency C (default 1 and 256): k = 0 (the baseline, measured in the same run),
 then every k in --k at every rate in --rates, then k = 0 again (the first engine of a process
 also pays for first touches of the pinned pool and the allocator). The ratio reported per
-(mode, C, k, rate) is tokens/s over the mean of the two k = 0 runs of the same mode and C. The ablation (--ablation, default on):
-HiSparse with per-row resolution (`EngineConfig.union_resolution=False`: one resolve and copy
-pass per row index) at the largest C, k and the middle rate, against the union run: hit rate,
-rows host -> device per step, tokens/s.
+(mode, C, k, rate) is tokens/s over the mean of the two k = 0 runs of the same mode and C.
+The ablation (on unless --no-ablation): HiSparse with per-row resolution
+(`EngineConfig.union_resolution=False`: one resolve and copy pass per row index) at the
+largest C, k and the middle rate, against the union run: hit rate, rows host -> device per
+step, tokens/s.
 
     python3 -m bench.speculative                                      # the GPU sweep
     python3 -m bench.speculative --config tiny --context 2048 --gen-budget 256 \\

@@ -21,6 +21,10 @@ fails ("error") only when a fault hit it; when the engine is idle and the worker
 every device and host block and every seat is free. At teardown the faults are disarmed, the
 engine is drained (every request finishes) and checked idle.
 
+`SpeculativeEngineMachine` runs the same rules with 2 draft tokens per step, drafted from the
+reference's tokens (each right with probability 0.6): lookahead rows, union residency,
+rejected drafts, and replay after preemptions, still with the all-resident tokens.
+
 Both engines are built once per test session and drained between examples (construction and
 compilation are the cost). CI runs a small budget; a long run:
   HISPARSE_ENGINE_STATEFUL_EXAMPLES=200 HISPARSE_ENGINE_STATEFUL_STEPS=60 pytest -m slow \
@@ -32,6 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import random
 
 import jax
 import numpy as np
@@ -47,6 +52,7 @@ from hypothesis.stateful import (
 )
 
 from hisparse_jax import nn
+from hisparse_jax.draft_sources import DraftSource
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier import CapacityError
 from tests.engine_reference import AllResidentReference, assert_idle
@@ -87,13 +93,38 @@ class Fault:
         return wrapped
 
 
+class ReferenceDraft(DraftSource):
+    """Drafts from the all-resident reference's tokens for the same request, each right with
+    probability 0.6 (fixed by the request's sampling seed and the token's index), else
+    wrong: exact-match acceptance keeps only the right ones."""
+
+    on_device = False
+
+    def __init__(self, reference):
+        self.reference = reference
+
+    def propose(self, request, num_tokens):
+        ref = self.reference(request)[1]
+        out = []
+        for j in range(request.live, request.live + num_tokens):
+            right = random.Random(request.sampling_seed * 7919 + j).random() < 0.6
+            out.append(0 if j >= len(ref) else ref[j] if right else (ref[j] + 1) % VOCAB)
+        return out
+
+
 @functools.cache
-def engines():
+def engines(speculative_tokens=0):
     """(HiSparse engine under pressure, its faults, the all-resident reference); built once
-    per session."""
+    per session (per number of speculative tokens: with k > 0 drafts come from the
+    reference, right or wrong at random, and the hot regions hold 1 + k steps' top-k)."""
     model = nn.init_model("tiny", seed=0)
-    engine = Engine(model, EngineConfig(num_gpu_blocks=DEVICE_BLOCKS, hot_size=16,
-                                        num_host_blocks=HOST_BLOCKS, **SIZES))
+    reference = AllResidentReference(model, **SIZES)
+    k = speculative_tokens
+    spec = {} if not k else dict(num_speculative_tokens=k,
+                                 draft_source=ReferenceDraft(reference))
+    engine = Engine(model, EngineConfig(num_gpu_blocks=DEVICE_BLOCKS + 8 * k,
+                                        hot_size=16 * (1 + k), num_host_blocks=HOST_BLOCKS,
+                                        **SIZES, **spec))
     runner, transfers = engine.runner, engine.scheduler.transfers
 
     def lose_cache():  # the prefill's new cache is installed: delete it (a lost device)
@@ -105,7 +136,7 @@ def engines():
     runner.prefill = faults["prefill"].wrap(runner.prefill)  # called with the request first
     for name in ("decode_fast", "decode_hot"):
         runner.jitted[name] = faults["decode"].wrap(runner.jitted[name])
-    return engine, faults, AllResidentReference(model, **SIZES)
+    return engine, faults, reference
 
 
 good_requests = st.lists(st.tuples(
@@ -119,9 +150,11 @@ good_requests = st.lists(st.tuples(
 
 
 class EngineMachine(RuleBasedStateMachine):
+    speculative_tokens = 0
+
     def __init__(self):
         super().__init__()
-        self.engine, self.faults, self.reference = engines()
+        self.engine, self.faults, self.reference = engines(self.speculative_tokens)
         self.manager = self.engine.scheduler.manager
         # The previous example drained the engine, unless it failed: then cancel what it left.
         for fault in self.faults.values():
@@ -261,14 +294,25 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(r.finish_reason is not None for r in self.added.values())
 
 
-def _run(examples: int, steps: int) -> None:
-    run_state_machine_as_test(EngineMachine, settings=settings(
+class SpeculativeEngineMachine(EngineMachine):
+    """The same rules with 2 draft tokens per step (lookahead rows, union residency,
+    rejected drafts, replay of accepted ones after a preemption)."""
+
+    speculative_tokens = 2
+
+
+def _run(examples: int, steps: int, machine=EngineMachine) -> None:
+    run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         suppress_health_check=list(HealthCheck)))
 
 
 def test_engine_state_machine():
     _run(examples=12, steps=30)
+
+
+def test_speculative_engine_state_machine():
+    _run(examples=8, steps=30, machine=SpeculativeEngineMachine)
 
 
 @pytest.mark.slow

@@ -127,20 +127,31 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
 
 def ramp(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """Steps until the steady state: every seat busy (all-resident: the rest waiting) and,
-    for the host-tier modes, nobody waiting; then `--warmup-steps` more."""
+    for the host-tier modes, nobody waiting and the prompts' write-back backlog drained (at
+    most one sealed page per running request without its host copy: right after the last
+    admission every prompt page may still wait for its spill, and a window measured then
+    times hundreds of page spills per step, which steady decoding never does); then
+    `--warmup-steps` more."""
     t0 = time.perf_counter()
     steps = 0
     target = engine.config.max_seats
-    while len(engine.running) < target or (engine.waiting and not engine.config.all_resident):
+    manager = engine.scheduler.manager
+
+    def backlog() -> int:
+        return getattr(manager, "num_dirty_sealed_pages", 0)
+
+    while (len(engine.running) < target or (engine.waiting and not engine.config.all_resident)
+           or backlog() > len(engine.running)):
         engine.step()
         steps += 1
         if steps > args.max_ramp_steps:
             raise Skip(f"no steady state after {steps} steps (running {len(engine.running)}, "
-                       f"waiting {len(engine.waiting)})")
+                       f"waiting {len(engine.waiting)}, write-back backlog {backlog()} pages)")
     seconds = time.perf_counter() - t0
     for _ in range(args.warmup_steps):
         engine.step()
-    return {"steps_to_steady_state": steps, "ramp_seconds": seconds}
+    return {"steps_to_steady_state": steps, "ramp_seconds": seconds,
+            "write_back_backlog_pages": backlog()}
 
 
 class Window:

@@ -451,6 +451,25 @@ def test_lookahead_rows_get_pages_but_are_never_sealed_or_counted():
     coord.finish("a")
 
 
+def test_dirty_sealed_pages_count_the_write_back_backlog():
+    coord = make()  # block_size 4
+    coord.admit("a", list(range(10)))  # pages 0, 1 sealed; page 2 partial
+    plan = coord.build_plan()
+    assert coord.num_dirty_sealed_pages == 2
+    coord.on_transfers(enqueued=[s.transfer_id for s in plan.spills])
+    assert coord.num_dirty_sealed_pages == 2  # in flight: not clean yet
+    coord.on_transfers(completed=[s.transfer_id for s in plan.spills[:1]])
+    assert coord.num_dirty_sealed_pages == 1
+    coord.on_transfers(completed=[s.transfer_id for s in plan.spills[1:]])
+    assert coord.num_dirty_sealed_pages == 0
+    coord.schedule("a", new_token_ids=[1, 2])  # seals page 2 with the plan
+    assert coord.num_dirty_sealed_pages == 0
+    coord.build_plan()
+    assert coord.num_dirty_sealed_pages == 1
+    coord.finish("a")
+    assert coord.num_dirty_sealed_pages == 0
+
+
 def test_capacity_error_names_the_pool_and_the_sizes():
     coord = make(num_host_blocks=6, max_model_len=64)  # 15 usable device, 5 usable host blocks
     assert coord.capacity_error(8, 8) is None

@@ -232,6 +232,15 @@ class Coordinator:
         return self._planner.has_pending()
 
     @property
+    def num_dirty_sealed_pages(self) -> int:
+        """Sealed pages of running requests whose host copy has not completed (waiting for a
+        spill, or in flight): the write-back backlog. Right after many long prompts are
+        admitted it is large (every prompt page), and steps spill it within the budget; a
+        steady decode seals about one page per request every `block_size` steps."""
+        B = self.block_size
+        return sum(r.num_computed // B - len(r.valid) for r in self._requests.values())
+
+    @property
     def num_spill_retries(self) -> int:
         """Pages whose spill failed, to be spilled again by the next `build_plan` (whether or
         not their request is scheduled). Until then they stay dirty and pinned: a caller with

@@ -29,11 +29,14 @@ Conventions of every Triton kernel here:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _compat
 
 ANY = pl.BlockSpec(memory_space=pl.ANY)
 TARGET_PROGRAMS = 2 * 132            # two waves of an H200's 132 SMs
@@ -63,6 +66,31 @@ def row_pieces(width: int, max_piece: int) -> tuple[tuple[int, int], ...]:
 
 def compiler_params(num_warps: int, num_stages: int = 1) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def call_in_place(kernel, inputs: Sequence[jax.Array], outputs: Sequence[jax.Array], *,
+                  grid: tuple[int, ...], num_warps: int, interpret: bool,
+                  name: str) -> tuple[jax.Array, ...]:
+    """`kernel(*input_refs, *output_refs)` over every program of `grid`, all refs in ANY memory
+    (the kernel indexes them itself), the outputs aliased onto `outputs` (updated in place:
+    donate them), through `_compat.quiet_triton_call`. Returns the new outputs."""
+    num_in = len(inputs)
+
+    def call(*args):
+        aliased = args[num_in:]
+        return tuple(pl.pallas_call(
+            kernel,
+            out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased],
+            grid=grid,
+            in_specs=[ANY] * len(args),
+            out_specs=[ANY] * len(aliased),
+            input_output_aliases={num_in + i: i for i in range(len(aliased))},
+            interpret=interpret,
+            compiler_params=compiler_params(num_warps),
+            name=name,
+        )(*args))
+
+    return tuple(_compat.quiet_triton_call(call, *inputs, *outputs))
 
 
 # --------------------------------------------------------------------------- row copies

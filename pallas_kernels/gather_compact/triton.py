@@ -92,23 +92,10 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
         pool_block=tuple(_triton.block_of(p.shape) for p in host_pools),
         cache_block=tuple(c.shape[1] for c in kv_caches))
     grid = (n, pl.cdiv(k, rows)) if layers == 1 else (layers, n, pl.cdiv(k, rows))
-    first_cache = 3 + layers
-
-    def call(src, dst, counts, *pools_and_caches):
-        return tuple(pl.pallas_call(
-            kernel,
-            out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in kv_caches],
-            grid=grid,
-            in_specs=[_triton.ANY] * (3 + 2 * layers),
-            out_specs=[_triton.ANY] * layers,
-            input_output_aliases={first_cache + i: i for i in range(layers)},
-            interpret=interpret,
-            compiler_params=_triton.compiler_params(tuning.num_warps),
-            name="hisparse_gather_compact",
-        )(src, dst, counts, *pools_and_caches))
-
-    return _compat.quiet_triton_call(call, swap_src.reshape(-1), swap_dst.reshape(-1),
-                                     swap_counts, *host_pools, *kv_caches)
+    return _triton.call_in_place(
+        kernel, (swap_src.reshape(-1), swap_dst.reshape(-1), swap_counts, *host_pools),
+        kv_caches, grid=grid, num_warps=tuning.num_warps, interpret=interpret,
+        name="hisparse_gather_compact")
 
 
 def gather_compact(host_pool: jax.Array, kv_cache: jax.Array, swap_src: jax.Array,

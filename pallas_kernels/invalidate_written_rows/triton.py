@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _compat, _triton
+from pallas_kernels import _triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +82,8 @@ def invalidate_written_rows(slot_rows: jax.Array, state_rows_per_token: jax.Arra
     kernel = functools.partial(_invalidate_kernel, chunk=chunk, hot=hot,
                                num_state_rows=num_state_rows)
 
-    def call(state_rows, written, slots):
-        return (pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct(slots.shape, slots.dtype),
-            grid=(tokens, pl.cdiv(hot, chunk)),
-            in_specs=[_triton.ANY] * 3,
-            out_specs=_triton.ANY,
-            input_output_aliases={2: 0},
-            interpret=interpret,
-            compiler_params=_triton.compiler_params(tuning.num_warps),
-            name="hisparse_invalidate_written_rows",
-        )(state_rows, written, slots),)
-
-    (out,) = _compat.quiet_triton_call(call, state_rows_per_token, written_rows, slot_rows)
+    (out,) = _triton.call_in_place(
+        kernel, (state_rows_per_token, written_rows), (slot_rows,),
+        grid=(tokens, pl.cdiv(hot, chunk)), num_warps=tuning.num_warps, interpret=interpret,
+        name="hisparse_invalidate_written_rows")
     return out

@@ -64,20 +64,10 @@ def mirror_rows(kv_cache: jax.Array, host_pool: jax.Array, device_rows: jax.Arra
         pieces=_triton.row_pieces(width, tuning.max_piece), cache_rows=num_blocks * cache_block,
         pool_rows=pool_rows, cache_block=cache_block, pool_block=_triton.block_of(host_pool.shape))
 
-    def call(dev, host, cache, pool):
-        return (pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-            grid=(pl.cdiv(total, rows),),
-            in_specs=[_triton.ANY] * 4,
-            out_specs=_triton.ANY,
-            input_output_aliases={3: 0},
-            interpret=interpret,
-            compiler_params=_triton.compiler_params(tuning.num_warps),
-            name="hisparse_mirror_rows",
-        )(dev, host, cache, pool),)
-
-    (out,) = _compat.quiet_triton_call(call, device_rows, host_rows, kv_cache, host_pool)
+    (out,) = _triton.call_in_place(
+        kernel, (device_rows, host_rows, kv_cache), (host_pool,),
+        grid=(pl.cdiv(total, rows),), num_warps=tuning.num_warps, interpret=interpret,
+        name="hisparse_mirror_rows")
     if moved_to_device:
         out = _compat.to_host(out)
     return out

@@ -113,21 +113,7 @@ def stage_prefill_rows(host_pools: Sequence[jax.Array], caches: Sequence[jax.Arr
         host_rows=host_blocks * block_size, cache_rows=num_blocks * block_size,
         block=block_size)
     grid = (pl.cdiv(total, rows),) if layers == 1 else (layers, pl.cdiv(total, rows))
-    first_staging = 2 + 2 * layers
-
-    def call(dev, host, *pools_caches_staging):
-        return tuple(pl.pallas_call(
-            kernel,
-            out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in staging],
-            grid=grid,
-            in_specs=[_triton.ANY] * (2 + 3 * layers),
-            out_specs=[_triton.ANY] * layers,
-            input_output_aliases={first_staging + i: i for i in range(layers)},
-            interpret=interpret,
-            compiler_params=_triton.compiler_params(tuning.num_warps),
-            name="hisparse_stage_prefill_rows",
-        )(dev, host, *pools_caches_staging))
-
-    out = _compat.quiet_triton_call(call, device_rows, host_rows, *host_pools, *caches,
-                                    *staging)
+    out = _triton.call_in_place(
+        kernel, (device_rows, host_rows, *host_pools, *caches), staging, grid=grid,
+        num_warps=tuning.num_warps, interpret=interpret, name="hisparse_stage_prefill_rows")
     return out, *counts

@@ -52,7 +52,7 @@ from hypothesis.stateful import (
 )
 
 from hisparse_jax import nn
-from hisparse_jax.draft_sources import DraftSource
+from hisparse_jax.draft_sources import ScriptedDraft
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier import CapacityError
 from tests.engine_reference import AllResidentReference, assert_idle
@@ -93,23 +93,17 @@ class Fault:
         return wrapped
 
 
-class ReferenceDraft(DraftSource):
-    """Drafts from the all-resident reference's tokens for the same request, each right with
-    probability 0.6 (fixed by the request's sampling seed and the token's index), else
-    wrong: exact-match acceptance keeps only the right ones."""
-
-    on_device = False
+class ReferenceDraft(ScriptedDraft):
+    """Drafts from the all-resident reference's tokens for the same request (computed when
+    first asked), each right with probability 0.6 (fixed by the request's index and the
+    token's), else wrong: exact-match acceptance keeps only the right ones."""
 
     def __init__(self, reference):
-        self.reference = reference
+        super().__init__({}, lambda i, j: random.Random(i * 7919 + j).random() < 0.6)
+        self.reference_of = reference
 
-    def propose(self, request, num_tokens):
-        ref = self.reference(request)[1]
-        out = []
-        for j in range(request.live, request.live + num_tokens):
-            right = random.Random(request.sampling_seed * 7919 + j).random() < 0.6
-            out.append(0 if j >= len(ref) else ref[j] if right else (ref[j] + 1) % VOCAB)
-        return out
+    def known_tokens(self, request):
+        return self.reference_of(request)[1]
 
 
 @functools.cache

@@ -378,9 +378,8 @@ class Engine:
                                  "running or finished request; ids must be unique")
         # Admitted with its prompt (again after a preemption: it replays its tokens), then one
         # token per step; its last sampled token is never written: total - 1 tokens at most.
-        k = ec.num_speculative_tokens
         reason = scheduler.manager.capacity_error(
-            len(prompt), total - 1, **({"num_lookahead_tokens": k} if k else {}))
+            len(prompt), total - 1, num_lookahead_tokens=ec.num_speculative_tokens)
         if reason is not None:
             raise CapacityError(f"add_request: the request can never be served: {reason}")
         index = self._num_added

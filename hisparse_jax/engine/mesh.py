@@ -245,9 +245,11 @@ class _MeshManager:
     def __init__(self, engine: MeshEngine) -> None:
         self.engine = engine
 
-    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int) -> str | None:
+    def capacity_error(self, num_prompt_tokens: int, max_total_tokens: int, *,
+                       num_lookahead_tokens: int = 0) -> str | None:
         shard = self.engine.shards[0]
-        return shard.scheduler.manager.capacity_error(num_prompt_tokens, max_total_tokens)
+        return shard.scheduler.manager.capacity_error(
+            num_prompt_tokens, max_total_tokens, num_lookahead_tokens=num_lookahead_tokens)
 
     @property
     def stats(self) -> collections.Counter[str]:

@@ -270,17 +270,14 @@ class Runner:
         speculation each request's row holds its last token and its `step_drafts`, at
         consecutive positions (-1 past its drafts: no row)."""
         tokens, positions, state_rows, temperature, seeds, steps = self._idle_inputs()
-        spec = self.num_speculative_tokens > 0
+        # [S, 1 + k] views (k = 0: of the [S] arrays); step_drafts is empty without speculation.
+        S = len(state_rows)
+        token_rows, position_rows = tokens.reshape(S, -1), positions.reshape(S, -1)
         for req in reqs:
             pos = len(req.prompt) + req.live - 1
-            if spec:
-                n = len(req.step_drafts)
-                tokens[req.seat, 0] = req.last_live_token
-                tokens[req.seat, 1:1 + n] = req.step_drafts
-                positions[req.seat, :1 + n] = np.arange(pos, pos + 1 + n)
-            else:
-                tokens[req.seat] = req.last_live_token
-                positions[req.seat] = pos
+            n = len(req.step_drafts)
+            token_rows[req.seat, :1 + n] = (req.last_live_token, *req.step_drafts)
+            position_rows[req.seat, :1 + n] = np.arange(pos, pos + 1 + n)
             state_rows[req.seat] = req.seat
             temperature[req.seat] = req.temperature
             seeds[req.seat] = _int32_bits(req.sampling_seed)
@@ -485,26 +482,40 @@ class Runner:
         aux); the cache's residency picks the variant. With speculation: `verify_fn`."""
         if self.num_speculative_tokens:
             return self.verify_fn()
-        graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
-        source = self.topk_source
+        forward = self._model_decode()
 
         def step(params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
                  key, seeds, topk_state, steps):
-            params = jax.tree.unflatten(treedef, params)
             keys = token_keys(key, seeds, steps + 1)  # token i = len(generated) is sampled
-            src, res, hot = tables
-            kv = CacheBatch.from_tables(state_rows, positions, src=src, res=res, hot=hot,
-                                        host_pools=host_pools)
-            topk = (None if source is None
-                    else source.select(topk_state, state_rows, positions, steps))
-            model = nnx.merge(graphdef, params)
-            logits, cache, aux = model.decode(
-                cache, DecodeBatch(tokens, kv, topk), attention_backend=ec.attention_backend,
-                collect_attention=ec.collect_attention)
+            _, logits, cache, aux = forward(params, cache, tokens, positions, state_rows, tables,
+                                            host_pools, topk_state, steps)
             del aux["hidden"]
             return sample(logits, temperature, keys), cache, aux
 
         return step
+
+    def _model_decode(self) -> Callable[..., Any]:
+        """The model's decode over flat batch rows, shared by `decode_fn` and `verify_fn`:
+        (params, cache, tokens, positions, state_rows, tables, host_pools, topk_state, steps,
+        rows_per_request=1) -> (model, logits, cache, aux); `steps`: each row's decode steps
+        since the prefill (the top-k source's clock)."""
+        graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
+        source = self.topk_source
+
+        def forward(params, cache, tokens, positions, state_rows, tables, host_pools,
+                    topk_state, steps, rows_per_request=1):
+            src, res, hot = tables
+            kv = CacheBatch.from_tables(state_rows, positions, src=src, res=res, hot=hot,
+                                        host_pools=host_pools, rows_per_request=rows_per_request)
+            topk = (None if source is None
+                    else source.select(topk_state, state_rows, positions, steps))
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+            logits, cache, aux = model.decode(
+                cache, DecodeBatch(tokens, kv, topk), attention_backend=ec.attention_backend,
+                collect_attention=ec.collect_attention)
+            return model, logits, cache, aux
+
+        return forward
 
     def verify_fn(self) -> Callable[..., Any]:
         """The speculative decode step before `jax.jit`: the arguments of `decode_fn` with
@@ -521,29 +532,21 @@ class Runner:
         before any row reads them (its first row is position a + 1 of this step's). Then the
         draft source drafts the next step's tokens from row a (`DraftSource.device_drafts`;
         zeros for a host-side source)."""
-        graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
-        source, draft = self.topk_source, self.draft
+        forward, draft = self._model_decode(), self.draft
         k = self.num_speculative_tokens
         r = 1 + k
         rate = draft.acceptance_rate
 
         def step(params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
                  key, seeds, topk_state, steps):
-            params = jax.tree.unflatten(treedef, params)
             S = state_rows.shape[0]
             col = jnp.arange(r, dtype=jnp.int32)
             row_steps = (steps[:, None] + col).reshape(-1)  # decode steps since the prefill
             keys = token_keys(key, jnp.repeat(seeds, r), row_steps + 1)
-            srows = jnp.repeat(state_rows, r)
-            pos = positions.reshape(-1)
-            src, res, hot = tables
-            kv = CacheBatch.from_tables(srows, pos, src=src, res=res, hot=hot,
-                                        host_pools=host_pools, rows_per_request=r)
-            topk = None if source is None else source.select(topk_state, srows, pos, row_steps)
-            model = nnx.merge(graphdef, params)
-            logits, cache, aux = model.decode(
-                cache, DecodeBatch(tokens.reshape(-1), kv, topk),
-                attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
+            model, logits, cache, aux = forward(
+                params, cache, tokens.reshape(-1), positions.reshape(-1),
+                jnp.repeat(state_rows, r), tables, host_pools, topk_state, row_steps,
+                rows_per_request=r)
             hidden = aux.pop("hidden").reshape(S, r, -1)
             sampled = sample(logits, jnp.repeat(temperature, r), keys).reshape(S, r)
             drafts, present = tokens[:, 1:], positions[:, 1:] >= 0

@@ -129,9 +129,9 @@ class Scheduler:
         decode, waited = self.pass_decode, []
         for req in list(self.running.values()):
             drafts = self._drafts(req) if self.num_speculative_tokens else []
-            kw = {"num_lookahead_tokens": len(drafts)} if drafts else {}
             result = manager.schedule(req.request_id,
-                                      new_token_ids=req.generated[req.counted:req.live], **kw)
+                                      new_token_ids=req.generated[req.counted:req.live],
+                                      num_lookahead_tokens=len(drafts))
             if result is None:
                 req.counted, req.step_drafts = req.live, drafts
                 decode.append(req)

@@ -10,7 +10,8 @@
 #        resolve_residency gather_compact mirror_rows invalidate_written_rows sparse_mla_decode
 #        stage_prefill_rows (`ops` runs them all); spec_gpu (the GPU-scale speculative exactness test),
 #        decode_spec (the decode check with 2 MTP draft tokens per step), speculative (the
-#        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9)
+#        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9), profile
+#        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -60,6 +61,11 @@ run_step() {  # name, time limit in s, command...
         run_step e2e_after 280 python3 -m bench.e2e_decode "${cmp_args[@]}" --output "${E2E_COMPARE_OUT:-bench/results/e2e_decode-compare-gpu.json}" ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
+      # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.
+      profile)
+        run_step profile_hisparse_256 240 python3 -m bench.profile_step --mode hisparse --concurrency 256
+        run_step profile_all_resident_256 150 python3 -m bench.profile_step --mode all-resident --concurrency 256
+        run_step profile_hisparse_64 150 python3 -m bench.profile_step --mode hisparse --concurrency 64 --budget-concurrency 256 ;;
       spec_gpu) run_step spec_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine_speculative.py ;;
       decode_spec) run_step decode_spec 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --gpu-blocks 500 --prefill-bucket 4096 --speculative-tokens 2 --check ;;
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -105,67 +103,70 @@ def invalidate_host_blocks(slot_rows: jax.Array, state_rows: jax.Array, host_blo
         jnp.where(stale, -1, rows), mode="drop")
 
 
-def _padded_rows(state_rows: Any, num_rows: int) -> jax.Array:
-    """int32[S] of `state_rows` padded with -1 (ignored): one compiled size per state."""
-    rows = np.full(num_rows, -1, np.int32)
-    rows[:len(state_rows)] = state_rows
-    return jnp.asarray(rows)
-
-
 def invalidation_width(num_blocks: int) -> int:
     """The padded width of a plan's hot invalidations whose widest row lists `num_blocks`
     host blocks: a power of two, at least 64 (the only size that varies between plans)."""
     return pow2_bucket(num_blocks, _MIN_BUCKET)
 
 
-def apply_hot_updates(plan: StepPlan, hot_state: Any, *, block_size: int,
-                      reset_rows_fn: Callable[[Any, jax.Array], Any] | None = None) -> Any:
-    """A plan's hot resets, then its hot invalidations, applied to one hot state.
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _hot_updates(states: tuple[HotState, ...], packed: jax.Array, *, block_size: int
+                 ) -> tuple[HotState, ...]:
+    """Resets, then invalidations, for every hot state: `packed` int32 holds the reset rows
+    [S], the invalidated rows [S] (both padded with -1) and their host blocks [S, W]
+    (padded with -1), flattened."""
+    num_rows = states[0].slot_rows.shape[0]
+    resets, rows = packed[:num_rows], packed[num_rows:2 * num_rows]
+    blocks = packed[2 * num_rows:].reshape(num_rows, -1)
+    return tuple(
+        dataclasses.replace(state, slot_rows=invalidate_host_blocks(
+            state.slot_rows, rows, blocks, block_size=block_size))
+        for state in (reset_rows(state, resets) for state in states))
 
-    The row lists are padded to the state's S rows (a plan names each state row at most once
-    per list), the invalidations' block lists to `invalidation_width` of the widest: the
-    jitted updates compile once for the resets and once per width bucket for the
-    invalidations (`warm_hot_updates` compiles them ahead).
+
+def apply_hot_updates(plan: StepPlan, hot_states: tuple[HotState, ...], *, block_size: int
+                      ) -> tuple[HotState, ...]:
+    """A plan's hot resets, then its hot invalidations, applied to hot states (those of
+    every index group: they share the plan's state rows).
+
+    One host-to-device copy and one jitted call for all of them (each a fixed cost of tens of
+    microseconds on a GPU host, paid on most steps under pressure). The row lists are padded
+    to the states' S rows (a plan names each state row at most once per list), the
+    invalidations' block lists to `invalidation_width` of the widest: one compile per width
+    bucket (`warm_hot_updates` compiles them ahead).
 
     Args:
       plan: the step's plan (`plan.hot_resets`: state rows to empty;
         `plan.hot_invalidations`: per state row, host blocks whose rows leave its hot slots).
-      hot_state: a `HotState` (or any dataclass with `slot_rows` int32[S, H] and `lru`); its
-        `slot_rows` is donated when there are invalidations.
+      hot_states: `HotState`s of one shape (not donated).
       block_size: B.
-      reset_rows_fn: empties state rows (default `reset_rows`).
     Returns:
-      The new hot state (the same object when the plan changes nothing).
+      The new hot states (the same tuple when the plan changes nothing).
     """
-    num_rows = hot_state.slot_rows.shape[0]
-    if plan.hot_resets:
-        reset_rows_fn = reset_rows_fn or reset_rows
-        hot_state = reset_rows_fn(hot_state, _padded_rows(plan.hot_resets, num_rows))
-    if plan.hot_invalidations:
-        width = max(len(inv.host_blocks) for inv in plan.hot_invalidations)
-        blocks = np.full((num_rows, invalidation_width(width)), -1, np.int32)
-        for i, inv in enumerate(plan.hot_invalidations):
-            blocks[i, :len(inv.host_blocks)] = inv.host_blocks
-        rows = _padded_rows([inv.state_row for inv in plan.hot_invalidations], num_rows)
-        slot_rows = invalidate_host_blocks(hot_state.slot_rows, rows, jnp.asarray(blocks),
-                                           block_size=block_size)
-        hot_state = dataclasses.replace(hot_state, slot_rows=slot_rows)
-    return hot_state
+    if not (plan.hot_resets or plan.hot_invalidations) or not hot_states:
+        return hot_states
+    num_rows = hot_states[0].slot_rows.shape[0]
+    width = invalidation_width(max((len(inv.host_blocks) for inv in plan.hot_invalidations),
+                                   default=1))
+    packed = np.full(num_rows * (2 + width), -1, np.int32)
+    packed[:len(plan.hot_resets)] = plan.hot_resets
+    packed[num_rows:num_rows + len(plan.hot_invalidations)] = [
+        inv.state_row for inv in plan.hot_invalidations]
+    blocks = packed[2 * num_rows:].reshape(num_rows, width)
+    for i, inv in enumerate(plan.hot_invalidations):
+        blocks[i, :len(inv.host_blocks)] = inv.host_blocks
+    return _hot_updates(tuple(hot_states), jnp.asarray(packed), block_size=block_size)
 
 
-def warm_hot_updates(hot_state: Any, *, block_size: int, max_blocks: int) -> Any:
-    """Compiles every shape `apply_hot_updates` can reach for plans whose invalidations list
-    at most `max_blocks` host blocks per state row (e.g. max_pages), with inputs that change
-    nothing (every row padding). Returns the hot state to keep (`slot_rows` is donated)."""
-    num_rows = hot_state.slot_rows.shape[0]
-    none = _padded_rows((), num_rows)
-    hot_state = reset_rows(hot_state, none)
+def warm_hot_updates(hot_states: tuple[HotState, ...], *, block_size: int, max_blocks: int
+                     ) -> None:
+    """Compiles every shape `apply_hot_updates` can reach for `hot_states` and plans whose
+    invalidations list at most `max_blocks` host blocks per state row (e.g. max_pages)."""
+    num_rows = hot_states[0].slot_rows.shape[0]
     width = _MIN_BUCKET
     while True:
-        blocks = jnp.asarray(np.full((num_rows, width), -1, np.int32))
-        slot_rows = invalidate_host_blocks(hot_state.slot_rows, none, blocks,
-                                           block_size=block_size)
-        hot_state = dataclasses.replace(hot_state, slot_rows=slot_rows)
+        none = jnp.asarray(np.full(num_rows * (2 + width), -1, np.int32))
+        jax.block_until_ready(_hot_updates(tuple(hot_states), none, block_size=block_size))
         if width >= invalidation_width(max_blocks):
-            return hot_state
+            return
         width *= 2

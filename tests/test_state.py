@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.state import (
@@ -11,7 +13,6 @@ from hisparse_jax.state import (
     apply_hot_updates,
     init_hot_state,
     invalidate_host_blocks,
-    reset_rows,
 )
 from host_tier.plan import HotInvalidation, StepPlan, TableRows, TableUpdate
 
@@ -35,17 +36,48 @@ def test_invalidate_host_blocks_drops_only_that_rows_entries():
                                                   [5, 6, 7, -1, -1]])
 
 
-def test_apply_hot_updates_resets_then_invalidates_a_hot_state():
+def test_apply_hot_updates_resets_then_invalidates_every_hot_state():
     hot = HotState(slot_rows=jnp.array([[1, 9, 4], [8, 5, 11]], jnp.int32),
                    lru=jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int16))
+    other = HotState(slot_rows=jnp.array([[2, 3, 4], [10, 9, 1]], jnp.int32),
+                     lru=jnp.array([[0, 1, 2], [2, 1, 0]], jnp.int16))
     plan = _plan(hot_resets=[0], invalidations=[HotInvalidation(1, (2,))])
-    out = apply_hot_updates(plan, hot, block_size=4, reset_rows_fn=reset_rows)
+    out, out2 = apply_hot_updates(plan, (hot, other), block_size=4)
     np.testing.assert_array_equal(np.array(out.slot_rows), [[-1, -1, -1], [-1, 5, -1]])
     np.testing.assert_array_equal(np.array(out.lru), [[0, 1, 2], [1, 2, 0]])
-    # reset_rows is the default, and an empty plan leaves the state as it is.
-    again = apply_hot_updates(plan, hot, block_size=4)
+    np.testing.assert_array_equal(np.array(out2.slot_rows), [[-1, -1, -1], [-1, -1, 1]])
+    np.testing.assert_array_equal(np.array(out2.lru), [[0, 1, 2], [2, 1, 0]])
+    # The inputs are not donated, and an empty plan leaves the states as they are.
+    again, _ = apply_hot_updates(plan, (hot, other), block_size=4)
     np.testing.assert_array_equal(np.array(again.slot_rows), np.array(out.slot_rows))
-    assert apply_hot_updates(_plan(), out, block_size=4) is out
+    states = (out, out2)
+    assert apply_hot_updates(_plan(), states, block_size=4) is states
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_apply_hot_updates_equals_resetting_then_invalidating_row_by_row(data):
+    S, H, B = 5, 6, 4
+    slot_rows = np.array(data.draw(st.lists(st.integers(-1, 47), min_size=S * H,
+                                            max_size=S * H)), np.int32).reshape(S, H)
+    lru = np.tile(np.arange(H, dtype=np.int16)[::-1], (S, 1))
+    resets = data.draw(st.lists(st.integers(0, S - 1), unique=True, max_size=S))
+    inv_rows = data.draw(st.lists(st.integers(0, S - 1), unique=True, max_size=S))
+    invalidations = [HotInvalidation(r, tuple(data.draw(st.lists(st.integers(0, 11), min_size=1,
+                                                                  max_size=70, unique=True))))
+                     for r in inv_rows]
+    (out,) = apply_hot_updates(_plan(resets, invalidations),
+                               (HotState(jnp.asarray(slot_rows), jnp.asarray(lru)),),
+                               block_size=B)
+    want_rows, want_lru = slot_rows.copy(), lru.copy()
+    for r in resets:
+        want_rows[r], want_lru[r] = -1, np.arange(H)
+    for inv in invalidations:
+        stale = np.isin(want_rows[inv.state_row] // B, inv.host_blocks) & (
+            want_rows[inv.state_row] >= 0)
+        want_rows[inv.state_row][stale] = -1
+    np.testing.assert_array_equal(np.array(out.slot_rows), want_rows)
+    np.testing.assert_array_equal(np.array(out.lru), want_lru)
 
 
 def test_hot_state_of_a_config_is_empty():

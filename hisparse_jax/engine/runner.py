@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -237,8 +238,8 @@ class Runner:
         if not (plan.hot_resets or plan.hot_invalidations):
             return  # the common decode step: nothing else to apply
         kv = self.cache.kv
-        kv = dataclasses.replace(kv, hot=tuple(
-            apply_hot_updates(plan, h, block_size=self.cfg.block_size) for h in kv.hot))
+        kv = dataclasses.replace(kv, hot=apply_hot_updates(plan, kv.hot,
+                                                           block_size=self.cfg.block_size))
         self.cache = dataclasses.replace(self.cache, kv=kv)
 
     def restore(self, plan: StepPlan) -> None:
@@ -291,14 +292,14 @@ class Runner:
     def _decode(self, residency: Residency, *host_arrays: np.ndarray
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Dispatches the decode variant of `residency` on host-built arrays (tokens,
-        positions, state_rows, temperature, seeds, steps; int32/float32 [max_seats])."""
-        tokens, positions, state_rows, temperature, seeds, steps = self._put(host_arrays)
+        positions, state_rows, temperature, seeds, steps: `_idle_inputs`' shapes and dtypes),
+        sent as one packed int32 array (`_jit_decode`)."""
+        inputs = self._put(np.concatenate([a.reshape(-1).view(np.int32) for a in host_arrays]))
         host_pools = self.host_pool.arrays if residency.reads_host else ()
         tables = (self.tables.src, self.tables.res, self.tables.hot)
         cache = _with_residency(self.cache, residency)
         next_tokens, cache, aux = self.jitted[variant_name(residency)](
-            self.params, cache, tokens, positions, state_rows, tables, host_pools, temperature,
-            self.sample_key, seeds, self.topk_state, steps)
+            self.params, cache, inputs, tables, host_pools, self.sample_key, self.topk_state)
         self._set_cache(cache)
         return next_tokens, aux
 
@@ -415,11 +416,8 @@ class Runner:
                                              for g in ("src", "res", "hot")}))
             warmed["table_rows"].append(size)
         if self.residency.reads_host:
-            kv = self.cache.kv
-            kv = dataclasses.replace(kv, hot=tuple(
-                warm_hot_updates(h, block_size=cfg.block_size, max_blocks=cfg.max_pages)
-                for h in kv.hot))
-            self.cache = dataclasses.replace(self.cache, kv=kv)
+            warm_hot_updates(self.cache.kv.hot, block_size=cfg.block_size,
+                             max_blocks=cfg.max_pages)
             warmed["invalidation_widths"] = _pow2_sizes(invalidation_width(1),
                                                         invalidation_width(cfg.max_pages))
             warmed["spill_rows"] = self._warm_spills(max_spill_pages)
@@ -474,7 +472,25 @@ class Runner:
         return {}
 
     def _jit_decode(self, name: str) -> Callable[..., Any]:
-        return jax.jit(self._wrap(self.decode_fn(), name), donate_argnames=("cache",))
+        """`decode_fn` jitted with its six per-row inputs (`_idle_inputs`) packed into one
+        int32 array: one host-to-device copy per step instead of six (each a fixed cost of
+        tens of microseconds on a GPU host)."""
+        step = self._wrap(self.decode_fn(), name)
+        specs = [(a.shape, a.dtype) for a in self._idle_inputs()]
+
+        def packed_step(params, cache, inputs, tables, host_pools, key, topk_state):
+            parts, at = [], 0
+            for shape, dtype in specs:
+                size = math.prod(shape)
+                part = inputs[at:at + size].reshape(shape)
+                parts.append(part if dtype == np.int32
+                             else jax.lax.bitcast_convert_type(part, dtype))
+                at += size
+            tokens, positions, state_rows, temperature, seeds, steps = parts
+            return step(params, cache, tokens, positions, state_rows, tables, host_pools,
+                        temperature, key, seeds, topk_state, steps)
+
+        return jax.jit(packed_step, donate_argnames=("cache",))
 
     def decode_fn(self) -> Callable[..., Any]:
         """The decode step before `jax.jit`: (params, cache, tokens, positions, state_rows,

@@ -1,0 +1,367 @@
+"""Where the time of one engine step goes: host phases and device kernels (issue 15).
+
+Builds the end-to-end benchmark's engine (`bench/e2e_decode.py`: same model, budget, synthetic
+prompts, drift top-k) for one mode and concurrency, steps it to its steady state (the same
+`ramp`: every seat busy, the prompts' write-back drained), then
+
+  1. times `--steps` whole steps with the host phases of `Engine._step` timed separately
+     (schedule, tables, restores, dispatch, spills, reports, waiting for the device, the
+     per-request bookkeeping after it): wall time only, no profiler running;
+  2. traces `--profile-steps` more steps with the jax profiler and sums the device's kernel
+     and copy time per step by category (attention, resolve, host->device gather, GEMMs,
+     memcpy, other XLA fusions), the device's busy time (the union of every stream's
+     intervals) and its idle time within the traced steps.
+
+The result (JSON, and a Markdown table of both parts) goes to
+`bench/results/profile_step-<backend>-<mode>-c<C>.json`; the raw trace stays under `--trace-dir`
+(not committed: tens of MB).
+
+    python3 -m bench.profile_step --mode hisparse --concurrency 256          # GPU
+    python3 -m bench.profile_step --config tiny --context 2048 --block-size 16 \\
+        --concurrency 4 --steps 4 --profile-steps 2                          # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import e2e_decode as e2e  # noqa: E402
+from bench._common import RESULTS_DIR, write_result  # noqa: E402
+from hisparse_jax import nn  # noqa: E402
+from hisparse_jax.topk_sources import DriftTopK  # noqa: E402
+from host_tier import HostPool  # noqa: E402
+from pallas_kernels import kv_format as kvf  # noqa: E402
+
+# Host phases of one step, in the order `Engine._step` runs them: (object, method, label).
+PHASES = (
+    ("scheduler", "schedule", "schedule (coordinator, admission, plan)"),
+    ("runner", "apply_plan_state", "tables and hot-slot updates to the device"),
+    ("runner", "restore", "restores handed to the worker"),
+    ("runner", "dispatch_decode", "decode inputs + jitted dispatch"),
+    ("runner", "after_forward", "spills handed to the worker"),
+    ("scheduler", "deliver", "worker reports to the coordinator"),
+    ("runner", "wait", "waiting for the device (tokens ready)"),
+    ("runner", "collect_decode", "tokens to the host"),
+)
+
+# Device event categories: the first pattern that matches the lower-cased event name.
+CATEGORIES = (
+    ("attention (sparse MLA)", r"sparse_mla|mla_decode|_attend|flash"),
+    ("resolve residency", r"resolve"),
+    ("host -> device gather", r"gather_compact|gather"),
+    ("hot-slot invalidate / mirror", r"invalidate|mirror"),
+    ("memcpy host -> device", r"memcpy.*(h2d|htod)|(h2d|htod).*memcpy"),
+    ("memcpy device -> host", r"memcpy.*(d2h|dtoh)|(d2h|dtoh).*memcpy"),
+    ("memcpy / memset other", r"memcpy|memset"),
+    ("GEMM", r"gemm|cublas|nvjet|cutlass|xmma|sm\d+_|dot|matmul"),
+    ("indexer / top-k", r"top_?k|sort|indexer"),
+)
+
+
+def categorise(name: str) -> str:
+    low = name.lower()
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return label
+    return "other XLA fusions"
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals (overlaps counted once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def device_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Complete events ("ph": "X") on the GPU's stream lines of a Chrome/Perfetto trace
+    (the derived "XLA Ops" / "XLA Modules" lines repeat the same work and are left out)."""
+    events, pnames, tnames = _lines(trace)
+    gpu = {pid for pid, name in pnames.items() if "gpu" in name.lower()}
+    out = []
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("pid") not in gpu:
+            continue
+        line = tnames.get((ev["pid"], ev.get("tid")), "")
+        if re.search(r"xla (ops|modules)|steps|launch stats|source", line.lower()):
+            continue
+        out.append(ev)
+    return out
+
+
+def _lines(trace: dict[str, Any] | list[Any]
+           ) -> tuple[list[dict[str, Any]], dict[Any, str], dict[tuple[Any, Any], str]]:
+    """A trace's events, its process names by pid and its thread names by (pid, tid)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pnames, tnames = {}, {}
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            pnames[ev["pid"]] = str(ev.get("args", {}).get("name", ""))
+        elif ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            tnames[(ev["pid"], ev.get("tid"))] = str(ev.get("args", {}).get("name", ""))
+    return events, pnames, tnames
+
+
+def host_summary(trace: dict[str, Any], num_steps: int, top: int = 30) -> list[dict[str, Any]]:
+    """The host threads' busiest event names (runtime TraceMe events: jit dispatch, executable
+    launch, transfers), per step; nested events each count their own duration."""
+    events, pnames, tnames = _lines(trace)
+    host = {pid for pid, name in pnames.items() if "host" in name.lower()}
+    by_name: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in events:
+        if (ev.get("ph") == "X" and ev.get("pid") in host
+                and not re.search(r"profiler\.py|contextlib\.py", ev["name"])):
+            key = (tnames.get((ev["pid"], ev.get("tid")), "?"), ev["name"])
+            by_name[key][0] += float(ev.get("dur", 0.0))
+            by_name[key][1] += 1
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"thread": t[:60], "name": n[:160], "us_per_step": d / num_steps,
+             "calls_per_step": c / num_steps} for (t, n), (d, c) in rows]
+
+
+def summarise_device(events: list[dict[str, Any]], num_steps: int) -> dict[str, Any]:
+    """Per-step device figures of a traced window of `num_steps` steps: busy (union over
+    streams), span (first start to last end), time per category and the top kernels."""
+    if not events:
+        return {"events": 0}
+    by_cat: dict[str, float] = collections.defaultdict(float)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in events:
+        dur = float(ev.get("dur", 0.0))
+        by_cat[categorise(ev["name"])] += dur
+        by_name[ev["name"]][0] += dur
+        by_name[ev["name"]][1] += 1
+    starts = [float(ev["ts"]) for ev in events]
+    ends = [float(ev["ts"]) + float(ev.get("dur", 0.0)) for ev in events]
+    busy = union_length(zip(starts, ends, strict=True))
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "events": len(events),
+        "busy_us_per_step": busy / num_steps,
+        "span_us_per_step": (max(ends) - min(starts)) / num_steps,
+        "kernel_us_per_step_by_category": {k: v / num_steps for k, v in
+                                           sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:160], "us_per_step": t / num_steps,
+                         "calls_per_step": c / num_steps, "category": categorise(n)}
+                        for n, (t, c) in top],
+    }
+
+
+def load_trace(trace_dir: Path) -> dict[str, Any] | None:
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) + sorted(trace_dir.rglob("*.json.gz"))
+    if not files:
+        return None
+    with gzip.open(files[-1], "rt") as f:
+        return json.load(f)
+
+
+class PhaseTimer:
+    """Wraps the engine's phase methods (instance attributes, so only this engine) and sums
+    their wall time per step; `wait` blocks on a dispatched step's tokens before the host
+    copies them."""
+
+    def __init__(self, engine: Any) -> None:
+        self.totals: dict[str, list[float]] = collections.defaultdict(list)
+        self.current: dict[str, float] = collections.defaultdict(float)
+        self.active = False
+        self.dropped = 0
+        owners = {"scheduler": engine.scheduler, "runner": engine.runner}
+        for owner, method, _ in PHASES:
+            if method == "wait":
+                continue
+            obj = owners[owner]
+            setattr(obj, method, self._wrap(method, getattr(obj, method)))
+        collect = engine.runner.collect_decode
+
+        def collect_with_wait(pending: Any) -> Any:
+            t0 = time.perf_counter()
+            jax.block_until_ready(pending.tokens)
+            if self.active:
+                self.current["wait"] += time.perf_counter() - t0
+            return collect(pending)
+
+        engine.runner.collect_decode = collect_with_wait
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.active:
+                    self.current[name] += time.perf_counter() - t0
+        return timed
+
+    def step(self, engine: Any, counter: e2e.CompileCounter) -> None:
+        """Times one step; a step in which something compiled (a first bucket of some jitted
+        helper: not steady state) is counted in `dropped`, not timed."""
+        self.current.clear()
+        compiles = counter.count
+        self.active = counter.active = True
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+        self.active = counter.active = False
+        if counter.count != compiles:
+            self.dropped += 1
+            return
+        for _, method, _ in PHASES:
+            self.totals[method].append(self.current.get(method, 0.0))
+        self.totals["step"].append(wall)
+
+    def result(self) -> dict[str, Any]:
+        def ms(values: list[float]) -> dict[str, float]:
+            a = 1e3 * np.asarray(values)
+            return {"p50": float(np.median(a)), "mean": float(a.mean())}
+
+        step = ms(self.totals["step"])
+        phases = {label: ms(self.totals[method]) for _, method, label in PHASES}
+        accounted = sum(v["mean"] for v in phases.values())
+        return {"step_ms": step, "phases_ms": phases,
+                "rest_of_step_ms_mean": step["mean"] - accounted,
+                "timed_steps": len(self.totals["step"]),
+                "steps_dropped_for_compiles": self.dropped}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"### {result['mode']}, {result['concurrency']} requests "
+             f"({result['machine']['device']}, jax {result['machine']['jax']})", "",
+             "| host phase | ms / step (mean) | p50 |", "| --- | ---: | ---: |"]
+    host = result["host"]
+    for label, v in host["phases_ms"].items():
+        lines.append(f"| {label} | {v['mean']:.2f} | {v['p50']:.2f} |")
+    lines.append(f"| rest of the step (Python between phases) | "
+                 f"{host['rest_of_step_ms_mean']:.2f} | |")
+    lines.append(f"| **whole step** | **{host['step_ms']['mean']:.2f}** | "
+                 f"**{host['step_ms']['p50']:.2f}** |")
+    dev = result.get("device") or {}
+    if dev.get("events"):
+        lines += ["", "| device | us / step |", "| --- | ---: |"]
+        for label, us in dev["kernel_us_per_step_by_category"].items():
+            lines.append(f"| {label} | {us:.0f} |")
+        lines.append(f"| **busy (union of streams)** | **{dev['busy_us_per_step']:.0f}** |")
+        lines.append(f"| traced step wall time | {1e3 * result['traced_step_ms_mean']:.0f} |")
+        idle = 1e3 * result["traced_step_ms_mean"] - dev["busy_us_per_step"]
+        lines.append(f"| device idle | {idle:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+    p.add_argument("--mode", default="hisparse", choices=e2e.MODES)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--budget-concurrency", type=int, default=None,
+                   help="size the GPU KV budget as the e2e benchmark does for this many "
+                        "requests (default: --concurrency)")
+    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--gen-budget", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--hot-size", type=int, default=None)
+    p.add_argument("--gpu-blocks", type=int, default=None)
+    p.add_argument("--turnover", type=float, default=0.05)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--max-ramp-steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=32, help="host-phase timed steps")
+    p.add_argument("--profile-steps", type=int, default=6, help="steps under the profiler")
+    p.add_argument("--trace-dir", default=None, help="default: a temporary directory")
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    for name in ("concurrency", "context", "gen_budget", "steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.profile_steps < 0:
+        raise SystemExit("--profile-steps must be >= 0")
+
+    cfg = nn.get_config(args.config)
+    sizing = argparse.Namespace(**vars(args))
+    sizing.concurrency = [args.budget_concurrency or args.concurrency]
+    sizes = e2e.plan_sizes(sizing, cfg)
+    model = nn.init_model(cfg, seed=0)
+    pool = None
+    if args.mode != "all-resident":
+        pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
+                        row_width=cfg.row_width, dtype=kvf.storage_dtype(kvf.BF16, cfg.kv_dtype),
+                        num_blocks=1 + (args.concurrency + 1) * sizes["pages_per_request"])
+    engine = e2e.make_engine(model, sizing, sizes, mode=args.mode,
+                             concurrency=args.concurrency,
+                             source=DriftTopK(turnover=args.turnover, seed=1), pool=pool)
+    try:
+        ramp = e2e.ramp(engine, args)
+        timer, counter = PhaseTimer(engine), e2e.CompileCounter()
+        while len(timer.totals["step"]) < args.steps and timer.dropped < args.steps:
+            timer.step(engine, counter)
+        traced: list[float] = []
+        device: dict[str, Any] = {}
+        if args.profile_steps:
+            trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="hisparse-trace-"))
+            jax.block_until_ready(engine.runner.cache)
+            try:
+                with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                    for _ in range(args.profile_steps):
+                        t0 = time.perf_counter()
+                        engine.step()
+                        traced.append(time.perf_counter() - t0)
+                    jax.block_until_ready(engine.runner.cache)
+            except Exception as e:  # noqa: BLE001 - keep the host part of the record
+                device = {"events": 0, "note": f"profiler failed: {type(e).__name__}: {e}"}
+            else:
+                trace = load_trace(trace_dir)
+                device = (summarise_device(device_events(trace), args.profile_steps)
+                          if trace is not None else {"events": 0, "note": "no trace file"})
+                if trace is not None:
+                    device["host_events"] = host_summary(trace, args.profile_steps)
+            device["trace_dir"] = str(trace_dir)
+        result = {
+            "benchmark": "profile_step", "mode": args.mode, "concurrency": args.concurrency,
+            "running": len(engine.running), "seats": engine.config.max_seats,
+            "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
+                       "turnover": args.turnover, "prefill": "synthetic", **sizes},
+            "ramp": ramp, "host": timer.result(),
+            "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
+            "device": device,
+        }
+    finally:
+        engine.close()
+        if pool is not None:
+            pool.close()
+    out = Path(args.output) if args.output else (
+        RESULTS_DIR / f"profile_step-{jax.default_backend()}-{args.mode}-c{args.concurrency}.json")
+    path = write_result("profile_step", result, out)
+    result["machine"] = json.loads(path.read_text()).get("machine", {})
+    table = markdown(result)
+    path.with_suffix(".md").write_text(table)
+    print(table)
+    for row in result["device"].get("host_events", [])[:20]:
+        print(f"host {row['us_per_step']:9.0f} us/step {row['calls_per_step']:6.1f} calls  "
+              f"[{row['thread'][:20]}] {row['name'][:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

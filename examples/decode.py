@@ -50,7 +50,8 @@ FIELD_FLAGS = {"num_host_blocks": "--host-blocks", "num_gpu_blocks": "--gpu-bloc
                "prefill_bucket": "--prefill-bucket", "top_k": "--top-k", "seed": "--seed",
                "temperature": "--temperature", "max_new_tokens": "--gen-len",
                "kv_format": "--kv-format", "num_speculative_tokens": "--speculative-tokens",
-               "acceptance_rate": "--acceptance-rate"}
+               "acceptance_rate": "--acceptance-rate",
+               "prefill_chunk_size": "--prefill-chunk-size"}
 
 
 class ProgressBar:
@@ -183,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-blocks", type=positive_int, default=None,
                    help="host pool blocks (default: one full-length request per seat, plus one)")
     p.add_argument("--prefill-bucket", type=positive_int, default=64)
+    p.add_argument("--prefill-chunk-size", type=positive_int, default=None, metavar="C",
+                   help="prefill prompts in chunks of at most C tokens, sharing steps with "
+                        "decode (default: one shot); --check compares with all-resident "
+                        "decoding that prefills in one shot")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="model, prompts and sampling seed, in [0, 2^32 - 1]")
@@ -279,8 +284,9 @@ def model_config(args: argparse.Namespace) -> nn.ModelConfig:
 
 
 def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
-                  all_resident: bool) -> EngineConfig:
-    """The EngineConfig of one mode (sizes derived from the flags; builds nothing)."""
+                  all_resident: bool, reference: bool = False) -> EngineConfig:
+    """The EngineConfig of one mode (sizes derived from the flags; builds nothing);
+    `reference`: the --check engine, which prefills in one shot."""
     B = args.block_size
     pages = cdiv(args.max_model_len, B)
     k = args.speculative_tokens
@@ -300,7 +306,8 @@ def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
     kwargs = dict(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
                   hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
                   all_resident=all_resident, prefill_bucket=args.prefill_bucket,
-                  seed=args.seed, kv_format=args.kv_format, num_speculative_tokens=k)
+                  seed=args.seed, kv_format=args.kv_format, num_speculative_tokens=k,
+                  prefill_chunk_size=None if reference else args.prefill_chunk_size)
     if k and args.acceptance_rate is not None:
         kwargs["draft_source"] = AcceptanceRateDraft(args.acceptance_rate)
     kwargs.update(compile_cache_kwargs(args))
@@ -443,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [args.all_resident] + ([True] if args.check else [])
     try:                                  # every config the run needs, before any work
         cfg = model_config(args)
-        configs = [engine_config(args, cfg, all_resident=mode) for mode in modes]
+        configs = [engine_config(args, cfg, all_resident=mode, reference=i > 0)
+                   for i, mode in enumerate(modes)]
         for ec in configs:
             ec.hisparse_config(cfg)       # the sizes' rules (HiSparseConfig), builds nothing
     except (ValueError, TypeError) as e:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hisparse_jax.cache import CacheBatch, HiSparseKVCache
+from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache
 from hisparse_jax.ops import sparse_mla_decode
 
 # --------------------------------------------------------------------------- configs
@@ -361,7 +361,8 @@ class MTPHead(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder with sparse MLA layers; `decode` and `prefill` take and return the caches."""
+    """Decoder with sparse MLA layers; `decode`, `prefill` and `prefill_chunk` take and
+    return the caches."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -472,26 +473,78 @@ class Transformer(nnx.Module):
         Returns (logits float32[V] of the last real token, new
         cache, aux with "attention" [L, h, kv_lora] of the last token when collected).
         """
-        c = self.cfg
+        pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        return self._prefill(cache, tokens, pos, length, state_row, write_rows=write_rows,
+                             attention_backend=attention_backend,
+                             collect_attention=collect_attention)
+
+    def prefill_chunk(self, cache: DecodeCache, tokens: jax.Array, start: jax.Array,
+                      length: jax.Array, state_row: jax.Array, pages: jax.Array, *,
+                      attention_backend: str | None = None, collect_attention: bool = False
+                      ) -> tuple[jax.Array, DecodeCache, dict]:
+        """Prefill one chunk of a request's prompt: tokens int32[T] at positions
+        [start, start + T) (padded; the first `length` are real), of the request in state row
+        `state_row` whose resident pages are `pages` int32[P] (its block-table row; every page
+        up to position start + length - 1 resident: `docs/semantics.md`, chunked prefill).
+
+        The chunk's rows go to its pages (`HiSparseKVCache.write`) and its index keys to
+        `cache.index_keys[g][state_row]`, after the earlier chunks' keys; each query row runs
+        the indexer over the keys of positions [0, its position] and attends to its own top-k
+        through the resident table (`AllResident`: one lookup per index group, read after the
+        group's write), i.e. the query rows of a chunk are decode rows of one request at
+        consecutive positions. The rows read are the stored ones, earlier chunks' and this
+        chunk's alike (this chunk's rows equal `HiSparseKVCache.encode` of its values, what
+        `prefill` reads), so a prompt prefilled chunk by chunk reads the values the one-shot
+        `prefill` reads. Padding rows write and select nothing. Returns (logits float32[V] of
+        the last real token, new cache, aux with "attention" [L, h, kv_lora] of the last token
+        when collected).
+        """
         T = tokens.shape[0]
-        pos = jnp.arange(T, dtype=jnp.int32)
+        pos = start + jnp.arange(T, dtype=jnp.int32)
+        res = jnp.broadcast_to(pages, (T, pages.shape[0]))
+        pages_batch = CacheBatch(
+            state_rows=jnp.where(jnp.arange(T) < length, state_row, -1), positions=pos,
+            src=jnp.zeros_like(res), res=res, hot=jnp.zeros((T, 0), jnp.int32))
+        return self._prefill(cache, tokens, pos, length, state_row, pages_batch=pages_batch,
+                             attention_backend=attention_backend,
+                             collect_attention=collect_attention)
+
+    def _prefill(self, cache: DecodeCache, tokens: jax.Array, pos: jax.Array,
+                 length: jax.Array, state_row: jax.Array, *, write_rows: jax.Array | None = None,
+                 pages_batch: CacheBatch | None = None, attention_backend: str | None,
+                 collect_attention: bool) -> tuple[jax.Array, DecodeCache, dict]:
+        """The layers of `prefill` (`write_rows`: rows written by flat row, the indexer over
+        the step's own keys, attention over the step's encoded rows) and of `prefill_chunk`
+        (`pages_batch`: rows written and read through the request's pages, the indexer over
+        the request's index-key row), query rows at positions `pos`."""
+        c = self.cfg
+        real = jnp.arange(tokens.shape[0]) < length
         kv, index_keys = cache.kv, list(cache.index_keys)
         x = self.embed(tokens)
         attn = []
-        topk = None
+        rows = None
         for layer, block in enumerate(self.blocks):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             h = block.attn_norm(x)
             q_lora, q, row = block.attn.project(h, pos)
-            kv = kv.write_rows(layer, write_rows, row)
+            if pages_batch is None:
+                kv = kv.write_rows(layer, write_rows, row)
+            else:
+                kv = kv.write(layer, row, pages_batch)
             if leader:
                 idx = block.indexer
                 keys = idx.keys(h, pos)
                 index_keys[g] = index_keys[g].at[state_row, pos].set(
-                    jnp.where((pos < length)[:, None], keys, 0), mode="drop")
+                    jnp.where(real[:, None], keys, 0), mode="drop")
                 iq, iw = idx.queries(q_lora, h, pos)
-                topk = idx.select(iq, iw, keys, pos)
-            out, latent = block.attn.attend(q, kv.encode(row), topk, backend=attention_backend,
+                if pages_batch is None:
+                    rows = idx.select(iq, iw, keys, pos)
+                else:
+                    topk = idx.select(iq, iw, index_keys[g][state_row], pos)
+                    kv, found = AllResident().lookup(kv, g, topk, pages_batch)
+                    rows = found.attention_rows
+            stored = kv.encode(row) if pages_batch is None else kv.caches[layer]
+            out, latent = block.attn.attend(q, stored, rows, backend=attention_backend,
                                             kv_format=kv.kv_format)
             if collect_attention:
                 attn.append(latent[length - 1])

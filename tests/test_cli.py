@@ -60,7 +60,8 @@ BAD_VALUES = [
     ("--gpu-pool-fraction", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
     ("--temperature", "warm"), ("--seed", "-1"), ("--seed", str(2**32)), ("--requests", "2.5"),
     ("--config", "bogus"), ("--kv-format", "fp8"), ("--speculative-tokens", "-1"),
-    ("--acceptance-rate", "1.5"), ("--acceptance-rate", "nan"),
+    ("--acceptance-rate", "1.5"), ("--acceptance-rate", "nan"), ("--prefill-chunk-size", "0"),
+    ("--prefill-chunk-size", "-8"),
 ]
 
 
@@ -157,6 +158,26 @@ def test_speculation_flags_reach_the_model_and_engine_configs():
     # --check's baseline speculates alike (same drafts, same batch rows: same arithmetic)
     assert decode.engine_config(args, decode.model_config(args), all_resident=True
                                 ).num_speculative_tokens == 1
+
+
+def test_prefill_chunk_size_reaches_the_served_engine_only():
+    assert _config([]).prefill_chunk_size is None
+    argv = ["--prefill-chunk-size", "12"]
+    assert _config(argv).prefill_chunk_size == 12
+    assert _config(argv, all_resident=True).prefill_chunk_size == 12
+    args = decode.build_parser().parse_args(argv)
+    # --check's all-resident reference prefills in one shot
+    assert decode.engine_config(args, decode.model_config(args), all_resident=True,
+                                reference=True).prefill_chunk_size is None
+
+
+def test_chunked_prefill_example_check_passes(capsys):
+    rc = decode.main(["--prefill-chunk-size", "5", "--check", "--requests", "3",
+                      "--prompt-len", "14", "--gen-len", "6", "--max-model-len", "24",
+                      "--prefill-bucket", "5", "--no-warmup", "--no-compile-cache"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "greedy tokens identical to all-resident: True" in text
 
 
 def test_no_compile_cache_reaches_the_engine_config():

@@ -105,6 +105,15 @@ class EngineConfig:
       union_resolution: resolve a request's k + 1 query rows as one pass over their union
         (the default); False is the per-row ablation (`hisparse_jax.cache.HiSparse.per_row`,
         HiSparse mode with k > 0 only).
+      prefill_chunk_size: None: a prompt is prefilled in one shot at admission. An int C >= 1:
+        in chunks of at most C tokens, one chunk per request and step, sharing steps with the
+        other requests' decode (`Transformer.prefill_chunk`); a request samples its first
+        token after its last chunk. Its pages stay resident until then
+        (`docs/semantics.md`, chunked prefill). Needs the indexer (no `topk_source`): a chunk
+        selects over the earlier chunks' index keys.
+      max_prefill_tokens_per_step: prompt tokens prefilled per step, at most, over every
+        request (None: no limit; needs prefill_chunk_size): chunks of requests already
+        prefilling come first, then admissions, each chunk cut to what the budget leaves.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -131,6 +140,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft_source: DraftSource | None = None
     union_resolution: bool = True
+    prefill_chunk_size: int | None = None
+    max_prefill_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +198,16 @@ class EngineConfig:
             raise ValueError("EngineConfig.union_resolution=False (the per-row ablation) needs "
                              "num_speculative_tokens >= 1 and the HiSparse mode (neither "
                              "all_resident nor naive_offload)")
+        for name in ("prefill_chunk_size", "max_prefill_tokens_per_step"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1, optional=True)
+        if self.max_prefill_tokens_per_step is not None and self.prefill_chunk_size is None:
+            raise ValueError("EngineConfig.max_prefill_tokens_per_step needs prefill_chunk_size "
+                             "(a one-shot prefill cannot be cut to a step's budget)")
+        if self.prefill_chunk_size is not None and self.topk_source is not None:
+            raise ValueError("EngineConfig.prefill_chunk_size needs the indexer (topk_source "
+                             "None): a chunk selects over the earlier chunks' index keys, which "
+                             "are not kept with an external top-k source")
         for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
             object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
 

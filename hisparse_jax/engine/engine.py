@@ -31,7 +31,8 @@ keeps serving the others and loses none of their work):
     max_model_len, max_new_tokens >= 1 (or None: until max_model_len), a finite temperature
     >= 0, stop token ids in the vocab; `host_tier.CapacityError` (a ValueError) with the
     residency manager's reason when the pools could never hold the request even alone.
-  * A request whose admission or prefill fails is released (its blocks, transfers and seat;
+  * A request whose admission or prefill (any chunk of it, with
+    `EngineConfig.prefill_chunk_size`) fails is released (its blocks, transfers and seat;
     its hot row is reset at the seat's next admission) and finishes with
     finish_reason="error" and `Request.error`; so does a request that can never make
     progress, or whose page restore the worker reports failed. The step goes on.
@@ -39,7 +40,8 @@ keeps serving the others and loses none of their work):
   * Any other exception from `step()` leaves an engine whose next `step()` works: the
     requests of the failed step's batch are preempted (recompute by replay: their tokens are
     kept and fed back, `scheduler.py`), admitted requests whose prefill did not
-    run go back to the queue, the manager's pass is closed and its table / hot-state updates
+    run go back to the queue (and so do requests whose next prefill chunk did not run: they
+    restart their prefill), the manager's pass is closed and its table / hot-state updates
     applied, the plan's transfers that never reached the worker are reported failed; when
     the device arrays were lost (donated to a failed call, or poisoned) they are rebuilt
     and every running request is preempted. Then the exception propagates (a prefill that
@@ -149,15 +151,19 @@ def recover_parts(scheduler: Scheduler, runner: Runner, metrics: Metrics, st: _O
             return False
         return True
 
-    # 1. The requests whose step did not complete: nothing they did is kept (recompute).
+    # 1. The requests whose step did not complete: nothing they did is kept (recompute; a
+    # request between prefill chunks restarts its prefill).
     for req in list(scheduler.pass_decode):
         attempt(f"preempting request {req.request_id!r}", lambda r=req: scheduler.preempt(r))
-    for req in reversed(list(scheduler.pass_admitted)):
-        if req is st.culprit:
-            attempt("failing the request", lambda r=req: scheduler.fail(r, st.culprit_error))
-        else:
-            attempt(f"requeueing request {req.request_id!r}",
-                    lambda r=req: scheduler.requeue(r))
+    for pending, again in ((scheduler.pass_chunks, scheduler.preempt),
+                           (scheduler.pass_admitted, scheduler.requeue)):
+        for req in reversed(list(pending)):
+            if req is st.culprit:
+                attempt("failing the request",
+                        lambda r=req: scheduler.fail(r, st.culprit_error))
+            else:
+                attempt(f"putting request {req.request_id!r} back in the queue",
+                        lambda r=req, again=again: again(r))
 
     # 2. Close the manager's pass (now without those requests): its table rows and hot
     # updates may concern requests that keep running, so they reach the device.
@@ -189,7 +195,7 @@ def recover_parts(scheduler: Scheduler, runner: Runner, metrics: Metrics, st: _O
         attempt("rebuilding the device state",
                 lambda: runner.reset_device_state(manager.tables.full_update()))
         metrics.device_resets += 1
-    scheduler.pass_decode, scheduler.pass_admitted = [], []
+    scheduler.pass_decode, scheduler.pass_admitted, scheduler.pass_chunks = [], [], []
     return notes
 
 
@@ -276,7 +282,9 @@ class Engine:
                 host_pool.close()
             raise
         self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics,
-                                   draft=self.runner.draft)
+                                   draft=self.runner.draft,
+                                   prefill_chunk_size=ec.prefill_chunk_size,
+                                   max_prefill_tokens=ec.max_prefill_tokens_per_step)
         self._auto_ids = itertools.count()
         self._num_added = 0
 
@@ -300,7 +308,7 @@ class Engine:
 
     @property
     def trace_counts(self) -> collections.Counter[str]:
-        """Traces per jitted step ("prefill", "decode_fast", "decode_hot")."""
+        """Traces per jitted step ("prefill" or "prefill_chunk", "decode_fast", "decode_hot")."""
         return self.runner.trace_counts
 
     @property
@@ -476,7 +484,7 @@ class Engine:
         st.restores_handed = True
         pending = (runner.dispatch_decode(scheduled.decode, scheduled.residency)
                    if scheduled.decode else None)
-        for req in scheduled.admitted:
+        for req in [*scheduled.admitted, *scheduled.chunks]:
             self._prefill(req, st, self.scheduler, self.runner)
         runner.after_forward(plan)  # the worker reports a copy that raises as failed
         st.spills_handed = True
@@ -486,12 +494,16 @@ class Engine:
 
     def _prefill(self, req: Request, st: _OpenStep, scheduler: Scheduler,
                  runner: Runner) -> None:
-        """Prefills admitted request `req` with `scheduler`'s manager and `runner` (the
-        engine's, or a mesh data shard's)."""
+        """Prefills admitted request `req` (its prompt, or its next `chunk` of prompt tokens
+        with `EngineConfig.prefill_chunk_size`) with `scheduler`'s manager and `runner` (the
+        engine's, or a mesh data shard's); it samples its first token after its last chunk."""
         try:
-            view = scheduler.manager.view(req.request_id)
-            token, attention, seconds, variant, compiled = runner.prefill(
-                req, np.asarray(view.resident_blocks, np.int64))
+            blocks = np.asarray(scheduler.manager.view(req.request_id).resident_blocks, np.int64)
+            if self.config.prefill_chunk_size is None:
+                out = runner.prefill(req, blocks)
+            else:
+                out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk)
+            token, attention, seconds, variant, compiled = out
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             message = f"prefill failed: {type(e).__name__}: {e}"
             if runner.device_state_lost():
@@ -500,9 +512,11 @@ class Engine:
             scheduler.fail(req, message)
             return
         self._clock.account(variant, seconds, "prefill_seconds", compiled=compiled)
-        self.metrics.prefills += 1
-        self.metrics.prompt_tokens += len(req.prompt)
+        self.metrics.prompt_tokens += req.chunk
         scheduler.start(req)
+        if req.prefilling:
+            return  # its next chunk runs on a later step
+        self.metrics.prefills += 1
         if attention is not None and not req.replaying:
             req.attention.append(attention)
         scheduler.record(req, token)

@@ -288,6 +288,9 @@ class MeshEngine(Engine):
         if config.num_speculative_tokens:
             raise ValueError("MeshEngine: EngineConfig.num_speculative_tokens must be 0 (the "
                              "mesh engine does not verify drafts yet; use Engine)")
+        if config.prefill_chunk_size is not None:
+            raise ValueError("MeshEngine: EngineConfig.prefill_chunk_size must be None (the "
+                             "mesh engine prefills in one shot; use Engine)")
         self.model_config = mc = model.cfg
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")

@@ -30,6 +30,10 @@ class Request:
     per generated token when `EngineConfig.collect_attention` is set. With speculation,
     `step_drafts` are the draft tokens its scheduled step verifies (generated tokens
     live .. live + len - 1 if right) and `drafts` the ones its last step proposed.
+    `num_prefilled` counts the prompt tokens the current admission has computed and `chunk`
+    those its prefill computes in the open step (the whole prompt without
+    `EngineConfig.prefill_chunk_size`); while num_prefilled < len(prompt) it is `prefilling`
+    and samples nothing.
     """
 
     request_id: Hashable
@@ -51,6 +55,13 @@ class Request:
     step_drafts: list[int] = dataclasses.field(default_factory=list)  # fed in this step
     num_drafted: int = 0  # draft tokens verified for it, and how many were accepted
     num_accepted: int = 0
+    num_prefilled: int = 0  # prompt tokens computed in this admission
+    chunk: int = 0  # prompt tokens its prefill computes in the open step
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not computed yet in this admission (waiting, or between chunks)."""
+        return self.num_prefilled < len(self.prompt)
 
     @property
     def replaying(self) -> bool:

@@ -74,13 +74,17 @@ class StaticResidency:
 
     # ------------------------------------------------------------------ Coordinator API
 
-    def admit(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> Admitted | Wait:
+    def admit(self, request_id: Hashable, prompt_token_ids: Sequence[int], *,
+              num_new_tokens: int | None = None) -> Admitted | Wait:
+        """Takes a state row; the first `num_new_tokens` prompt tokens (default: all) are
+        scheduled, the rest by later `schedule(num_tokens=...)` calls (chunked prefill)."""
         if request_id in self._seats:
             raise ValueError(f"admit: request_id {request_id!r} is already admitted")
         if not self._free_rows:
             return Wait("state_rows", 1, 0, "every state row is in use; a request must finish")
-        n = len(prompt_token_ids)
-        self._seats[request_id] = _Seat(heapq.heappop(self._free_rows), 0, n, n)
+        total = len(prompt_token_ids)
+        n = total if num_new_tokens is None else num_new_tokens
+        self._seats[request_id] = _Seat(heapq.heappop(self._free_rows), 0, total, n)
         self._pass.append(request_id)
         return Admitted(request_id, self._seats[request_id].state_row, 0, n)
 

@@ -11,7 +11,9 @@
     attend). The prefill ("prefill") is one jit per padded prompt length: the model over the
     prompt, or the synthetic prefill (deterministic random KV rows, a function of request,
     layer and position, written straight into the caches; the first generated token is the
-    prompt's last token).
+    prompt's last token). With `EngineConfig.prefill_chunk_size` it is "prefill_chunk"
+    instead, one jit per padded chunk length: `Transformer.prefill_chunk` over one chunk of a
+    prompt, the earlier chunks' rows read through the request's resident pages.
   * A plan is executed in order: block-table rows -> hot resets / invalidations (every index
     group's hot state) (`apply_plan_state`) -> restores (`restore`) -> the forward (decode,
     prefills) -> spills (`after_forward`, enqueued without waiting).
@@ -167,12 +169,16 @@ class Runner:
         self.sample_key = self._put(base_key(ec.seed))
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.warmed: dict[str, list[Any]] = {}  # the buckets `warmup` compiled, by kind
-        # The jitted steps, built once per variant: {"decode_fast", "decode_hot", "prefill"}.
+        # The jitted steps, built once per variant: {"decode_fast", "decode_hot", "prefill" or
+        # "prefill_chunk"}.
         self.jitted: dict[str, Callable[..., Any]] = {}
         for variant in dict.fromkeys([AllResident(), residency]):
             self.jitted[variant_name(variant)] = self._jit_decode(variant_name(variant))
-        self.jitted["prefill"] = (self._jit_synthetic_prefill() if ec.synthetic_prefill
-                                  else self._jit_prefill())
+        if ec.prefill_chunk_size is not None:
+            self.jitted["prefill_chunk"] = self._jit_prefill_chunk()
+        else:
+            self.jitted["prefill"] = (self._jit_synthetic_prefill() if ec.synthetic_prefill
+                                      else self._jit_prefill())
 
     def _put(self, tree: Any) -> Any:
         """Commits a pytree of arrays to the runner's device."""
@@ -354,6 +360,42 @@ class Runner:
         return (token, attention, time.perf_counter() - t0, ("prefill", T),
                 CompileWatch.count != compiles)
 
+    def prefill_chunk(self, req: Request, res_blocks: np.ndarray, start: int, num_tokens: int
+                      ) -> tuple[int, np.ndarray | None, float, Hashable, bool]:
+        """Prefills prompt tokens [start, start + num_tokens) of an admitted request whose
+        resident blocks `res_blocks` (int64[pages]) hold every page up to the chunk's last
+        position (`Transformer.prefill_chunk`); returns what `prefill` returns, the sampled
+        token meaningful after the prompt's last chunk only."""
+        T = self.prefill_length(num_tokens)
+        padded = np.zeros(T, np.int32)
+        padded[:num_tokens] = req.prompt[start:start + num_tokens]
+        pages = np.zeros(self.cfg.max_pages, np.int32)
+        pages[:len(res_blocks)] = res_blocks
+        compiles = CompileWatch.count
+        t0 = time.perf_counter()
+        token, aux = self._prefill_chunk(padded, start, num_tokens, req.seat, pages,
+                                         req.temperature, req.sampling_seed, req.live)
+        token = int(token)
+        attention = np.asarray(aux["attention"]) if "attention" in aux else None
+        return (token, attention, time.perf_counter() - t0, ("prefill_chunk", T),
+                CompileWatch.count != compiles)
+
+    def _prefill_chunk(self, padded: np.ndarray, start: int, length: int, seat: int,
+                       pages: np.ndarray, temperature: float, seed: int, token_index: int
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Dispatches the chunk prefill of padded tokens int32[T] (the first `length` real)
+        at positions from `start`, of state row `seat` (out of range: no index-key row) with
+        block-table row `pages` int32[max_pages] (0: none, nothing written); samples token
+        `token_index` of sampling seed `seed`."""
+        args = [self.params, self.cache,
+                *self._put((padded, np.int32(start), np.int32(length), np.int32(seat), pages,
+                            np.float32(temperature))),
+                self.sample_key, *self._put((np.int32(_int32_bits(seed)),
+                                             np.int32(token_index)))]
+        token, cache, aux = self.jitted["prefill_chunk"](*args)
+        self._set_cache(cache)
+        return token, aux
+
     def _prefill(self, padded: np.ndarray, length: int, seat: int, write_rows: np.ndarray,
                  temperature: float, seed: int, token_index: int, request_index: int
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -377,8 +419,8 @@ class Runner:
         """Compiles every shape bucket a run can reach, with inputs that change no state a
         request can see (call it while no request is admitted). Returns the step variants it
         compiled (for the step clock); `warmed` lists every bucket by kind ("decode",
-        "prefill", "table_rows", "invalidation_widths", "spill_rows"). decode=False leaves
-        out this runner's decode variants (the mesh engine runs its own:
+        "prefill" or "prefill_chunk", "table_rows", "invalidation_widths", "spill_rows").
+        decode=False leaves out this runner's decode variants (the mesh engine runs its own:
         `hisparse_jax/engine/mesh.py`).
 
         Reached by a run, and compiled here:
@@ -386,7 +428,9 @@ class Runner:
             path): every batch row padding (state row -1 writes and selects nothing);
           * the prefill at every padded length `prefill_length(n)`, n = 1 .. max_model_len - 1
             (a prompt is shorter than max_model_len; a preempted request prefills its prompt
-            again): writes to no row (-1) and index-key row S (dropped);
+            again): writes to no row (-1) and index-key row S (dropped); with
+            `prefill_chunk_size` C, the chunk prefill at every `prefill_length(n)`, n = 1 ..
+            min(C, max_model_len - 1), with a block-table row of null blocks (writes nothing);
           * the top-k source's `admit` (seat 0, a free seat: the next admission rewrites it);
           * the block-table updates (`host_tier.DeviceBlockTables.apply`) of every row count
             bucket up to S rows per table: the current rows sent again;
@@ -402,11 +446,18 @@ class Runner:
         for name, residency in self._reachable_variants() if decode else ():
             jax.block_until_ready(self._decode(residency, *self._idle_inputs()))
             warmed["decode"].append(name)
-        for T in sorted({self.prefill_length(n) for n in range(1, cfg.max_model_len)}):
-            token, _ = self._prefill(np.zeros(T, np.int32), 1, S, np.full(T, -1, np.int32),
-                                     0.0, 0, 0, 0)
+        chunk = self.config.prefill_chunk_size
+        kind = "prefill" if chunk is None else "prefill_chunk"
+        longest = cfg.max_model_len - 1 if chunk is None else min(chunk, cfg.max_model_len - 1)
+        for T in sorted({self.prefill_length(n) for n in range(1, longest + 1)}):
+            if chunk is None:
+                token, _ = self._prefill(np.zeros(T, np.int32), 1, S, np.full(T, -1, np.int32),
+                                         0.0, 0, 0, 0)
+            else:
+                token, _ = self._prefill_chunk(np.zeros(T, np.int32), 0, 1, S,
+                                               np.zeros(cfg.max_pages, np.int32), 0.0, 0, 0)
             jax.block_until_ready(token)
-            warmed["prefill"].append(T)
+            warmed[kind].append(T)
         if self.topk_source is not None:
             self.topk_state = self.topk_source.admit(self.topk_state, 0, 0, 1)
         current = self.tables.as_numpy()
@@ -423,7 +474,7 @@ class Runner:
             warmed["spill_rows"] = self._warm_spills(max_spill_pages)
         jax.block_until_ready(self._device_arrays())
         self.warmed = dict(warmed)
-        return warmed["decode"] + [("prefill", T) for T in warmed["prefill"]]
+        return warmed["decode"] + [(kind, T) for T in warmed[kind]]
 
     def _reachable_variants(self) -> list[tuple[str, Residency]]:
         out = []
@@ -598,6 +649,21 @@ class Runner:
             return sample(logits[None], temperature[None], keys)[0], cache, aux
 
         return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",),
+                       **self._placed_outputs())
+
+    def _jit_prefill_chunk(self) -> Callable[..., Any]:
+        graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
+
+        def prefill_chunk(params, cache, tokens, start, length, state_row, pages, temperature,
+                          key, seed, token_index):
+            keys = token_keys(key, seed[None], token_index[None])
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+            logits, cache, aux = model.prefill_chunk(
+                cache, tokens, start, length, state_row, pages,
+                attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
+            return sample(logits[None], temperature[None], keys)[0], cache, aux
+
+        return jax.jit(self._wrap(prefill_chunk, "prefill_chunk"), donate_argnames=("cache",),
                        **self._placed_outputs())
 
     def _jit_synthetic_prefill(self) -> Callable[..., Any]:

@@ -4,14 +4,20 @@ One scheduler pass per engine step (host side; it talks only to the residency ma
 the transfer worker's reports):
 
   1. the transfer worker's reports (spills enqueued / completed) go to the manager;
-  2. running requests are scheduled (their last sampled token is written this step);
+  2. running requests are scheduled (their last sampled token is written this step; a
+     request between prefill chunks gets its next chunk instead);
   3. waiting requests are admitted while seats (state rows) are free and a hot region's worth
      of device blocks stays free after the admission (`manager.hot_blocks`; 0 when the
      manager has no hot regions); when it would not, the manager is asked to make room
-     (`request_room`) and admission stops for this pass;
+     (`request_room`) and admission stops for this pass. A request is admitted with its
+     whole prompt, or with its first chunk under `EngineConfig.prefill_chunk_size` (chunks
+     of at most that many tokens, within the step's `max_prefill_tokens_per_step`: requests
+     already prefilling first, then admissions in queue order; a request samples its first
+     token after its last chunk);
   4. when nothing can run: wait for copies in flight, or preempt the most recently admitted
      request that had to wait (recompute: it re-enters the queue with its generated tokens);
-     a preempted request is recomputed by replay: its prompt is prefilled again and its
+     a preempted request is recomputed by replay: its prompt is prefilled again (a request
+     preempted between chunks restarts its prefill from the first chunk) and its
      generated tokens are fed back one decode step each (their outputs known, not sampled
      again), which repeats the original computation bit for bit (a prefill over prompt and
      generated tokens would not: a batched matmul of another shape rounds differently, and a
@@ -23,8 +29,9 @@ Requests are transactions. A request whose admission raises, or that can never m
 (a lone request that stalls, a waiting request an idle engine cannot admit, a page restore
 the worker reports failed), is released (`manager.abort`) and finished with
 finish_reason="error" and `Request.error`; the others go on. The scheduler keeps the
-requests of the open pass (`pass_decode`, `pass_admitted`) until the engine has run their
-step, so that an engine step that fails half-way can put them back (`preempt`, `requeue`).
+requests of the open pass (`pass_decode`, `pass_admitted`, `pass_chunks`) until the engine
+has run their step, so that an engine step that fails half-way can put them back (`preempt`,
+`requeue`).
 
 The manager is a `host_tier.Coordinator` (HiSparse, naive offload) or a
 `hisparse_jax.engine.residency.StaticResidency` (all-resident); the worker a
@@ -53,14 +60,16 @@ class ScheduledStep:
     Attributes:
       plan: the manager's plan (tables, hot updates, restores, spills) for the worker.
       decode: running requests decoding one token each (their seats are their state rows).
-      admitted: requests admitted in this pass, to prefill.
+      admitted: requests admitted in this pass, to prefill (their first chunk: `chunk`).
       residency: how the decode step finds rows (`AllResident` on the fast path).
+      chunks: running requests between prefill chunks, to prefill their next `chunk`.
     """
 
     plan: StepPlan
     decode: list[Request]
     admitted: list[Request]
     residency: Residency
+    chunks: list[Request] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -75,17 +84,24 @@ class Scheduler:
       cfg: sizes (max_num_reqs seats, block_size, max_model_len, num_gpu_blocks).
       residency: the mode's residency type.
       metrics: counters updated here (waits, preemptions, generated_tokens).
+      draft: the `DraftSource` (None without speculation).
+      prefill_chunk_size: prompt tokens per prefill chunk, at most (None: one shot).
+      max_prefill_tokens: prompt tokens prefilled per step, at most (None: no limit).
 
     Attributes:
       waiting: requests to admit, in order (preempted requests re-enter at the front).
-      running: admitted requests whose prefill ran, in admission order.
+      running: admitted requests whose prefill (its first chunk, with chunked prefill) ran,
+        in admission order.
       finished: every finished request, by id (whatever its finish reason).
-      pass_decode / pass_admitted: the requests of the open pass whose step has not
-        completed yet (decode tokens not recorded / prefill not run).
+      pass_decode / pass_admitted / pass_chunks: the requests of the open pass whose step
+        has not completed yet (decode tokens not recorded / first prefill chunk not run / next
+        prefill chunk not run).
     """
 
     def __init__(self, manager: Any, transfers: Any, cfg: HiSparseConfig,
-                 residency: Residency, metrics: Metrics, *, draft: Any = None) -> None:
+                 residency: Residency, metrics: Metrics, *, draft: Any = None,
+                 prefill_chunk_size: int | None = None,
+                 max_prefill_tokens: int | None = None) -> None:
         self.manager = manager
         self.num_speculative_tokens = cfg.num_speculative_tokens
         self.draft = draft  # the DraftSource (None without speculation)
@@ -98,6 +114,10 @@ class Scheduler:
         self.finished: dict[Hashable, Request] = {}
         self.pass_decode: list[Request] = []
         self.pass_admitted: list[Request] = []
+        self.pass_chunks: list[Request] = []
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self._budget: int | None = None  # prompt tokens the open pass may still prefill
         self.newly_finished: list[Request] = []  # since the engine last took them
         self._unfinished: dict[Hashable, Request] = {}  # waiting, admitted or running
 
@@ -123,11 +143,22 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """One scheduler pass; None when nothing runs this step."""
         manager, m = self.manager, self.metrics
-        self.pass_decode, self.pass_admitted = [], []
+        self.pass_decode, self.pass_admitted, self.pass_chunks = [], [], []
+        self._budget = self.max_prefill_tokens
         self.deliver()
         self._finish_failed_restores()
-        decode, waited = self.pass_decode, []
+        decode, chunks, waited = self.pass_decode, self.pass_chunks, []
         for req in list(self.running.values()):
+            if req.prefilling:  # between chunks: its next one, if the budget leaves room
+                n = self._next_chunk(req)
+                if not n:
+                    continue
+                if manager.schedule(req.request_id, num_tokens=n) is None:
+                    self._take_chunk(req, n)
+                    chunks.append(req)
+                else:
+                    waited.append(req)
+                continue
             drafts = self._drafts(req) if self.num_speculative_tokens else []
             result = manager.schedule(req.request_id,
                                       new_token_ids=req.generated[req.counted:req.live],
@@ -139,7 +170,7 @@ class Scheduler:
                 waited.append(req)
         m.waits += len(waited)
         admitted = self._admit()
-        if not decode and not admitted:
+        if not decode and not admitted and not chunks:
             self._when_idle(waited)
             return None
         plan = manager.build_plan()
@@ -147,7 +178,20 @@ class Scheduler:
         if residency.resident_fast_path and all(
                 manager.all_pages_resident(req.request_id) for req in decode):
             residency = AllResident()
-        return ScheduledStep(plan, list(decode), list(admitted), residency)
+        return ScheduledStep(plan, list(decode), list(admitted), residency, list(chunks))
+
+    def _next_chunk(self, req: Request) -> int:
+        """Prompt tokens `req`'s next prefill computes: the rest of its prompt, at most
+        `prefill_chunk_size` and what the step's budget leaves (0: none this step)."""
+        limits = (self.prefill_chunk_size, self._budget)
+        return min([len(req.prompt) - req.num_prefilled,
+                    *(limit for limit in limits if limit is not None)])
+
+    def _take_chunk(self, req: Request, n: int) -> None:
+        """`req`'s prefill computes `n` prompt tokens this step (spent from the budget)."""
+        req.chunk = n
+        if self._budget is not None:
+            self._budget -= n
 
     def _drafts(self, req: Request) -> list[int]:
         """The draft tokens `req`'s next step verifies: up to num_speculative_tokens, fewer
@@ -169,6 +213,9 @@ class Scheduler:
         admitted = self.pass_admitted
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_reqs:
             req = self.waiting[0]
+            n = self._next_chunk(req)
+            if not n:
+                break  # the step's prefill budget is spent
             # Admission keeps a hot region's worth of blocks free while others run, so a
             # running request that crosses the watermark can get its hot region (and start
             # unpinning) instead of stalling until someone is preempted.
@@ -179,7 +226,7 @@ class Scheduler:
                 manager.request_room(need + hot_blocks)
                 break
             try:
-                result = manager.admit(req.request_id, req.prompt)
+                result = manager.admit(req.request_id, req.prompt, num_new_tokens=n)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 self.waiting.popleft()
                 self.fail(req, f"admission failed: {type(e).__name__}: {e}")
@@ -190,6 +237,7 @@ class Scheduler:
             manager.request_room(0)
             self.waiting.popleft()
             req.seat = result.state_row
+            self._take_chunk(req, n)
             admitted.append(req)
         return admitted
 
@@ -218,9 +266,15 @@ class Scheduler:
                 self.fail(req, "a page restore from the host pool failed")
 
     def start(self, req: Request) -> None:
-        """An admitted request's prefill ran: it is running."""
-        self.pass_admitted.remove(req)
-        self.running[req.request_id] = req
+        """A prefill chunk of `req` ran (the whole prompt without chunking): its `chunk`
+        tokens are computed, and an admitted request is running (between chunks or
+        decoding)."""
+        if req in self.pass_admitted:
+            self.pass_admitted.remove(req)
+            self.running[req.request_id] = req
+        else:
+            self.pass_chunks.remove(req)
+        req.num_prefilled += req.chunk
 
     def record(self, req: Request, token: int) -> bool:
         """Records a sampled token; finishes the request (True) when a stop condition holds:
@@ -253,8 +307,9 @@ class Scheduler:
         (the caller took it off the queue), admitted in the open pass, or running."""
         if req.request_id in self.manager:
             self.manager.abort(req.request_id)
-        if req in self.pass_admitted:
-            self.pass_admitted.remove(req)
+        for pending in (self.pass_admitted, self.pass_chunks):
+            if req in pending:
+                pending.remove(req)
         self._finish(req, "error", message)
 
     def cancel(self, request_id: Hashable) -> bool:
@@ -286,28 +341,31 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Recompute preemption: the request re-enters the queue with its generated tokens
         (its rows are not reused: it replays them, module docstring); its last sampled token
-        is sampled again by the replay (with its own key: the same token comes back)."""
+        is sampled again by the replay (with its own key: the same token comes back). A
+        request between prefill chunks has sampled nothing in this admission: its tokens are
+        unchanged and it restarts its prefill."""
         self.manager.preempt(req.request_id)
         del self.running[req.request_id]
-        if req in self.pass_decode:
-            self.pass_decode.remove(req)
-        req.generated.pop()
-        req.live = req.counted = 0
-        req.drafts, req.step_drafts = [], []
-        if req.attention:
-            req.attention.pop()
-        self.metrics.generated_tokens -= 1
-        req.num_preemptions += 1
-        self.metrics.preemptions += 1
-        req.seat = -1
-        self.waiting.appendleft(req)
+        for pending in (self.pass_decode, self.pass_chunks):
+            if req in pending:
+                pending.remove(req)
+        if not req.prefilling:
+            req.generated.pop()
+            if req.attention:
+                req.attention.pop()
+            self.metrics.generated_tokens -= 1
+        self._back_to_queue(req)
 
     def requeue(self, req: Request) -> None:
         """An admitted request whose prefill did not run goes back to the front of the queue
         (released like a preemption; its tokens are unchanged)."""
         self.manager.preempt(req.request_id)
         self.pass_admitted.remove(req)
-        req.counted = 0
+        self._back_to_queue(req)
+
+    def _back_to_queue(self, req: Request) -> None:
+        """A released request re-enters the queue at the front, to be admitted afresh."""
+        req.live = req.counted = req.num_prefilled = 0
         req.drafts, req.step_drafts = [], []
         req.num_preemptions += 1
         self.metrics.preemptions += 1

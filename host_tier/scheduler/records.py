@@ -109,6 +109,13 @@ class RequestRecord:
     num_nonresident: int = 0  # NULL entries of res_blocks (pages read from host)
     failed: bool = False  # a restore into its pages failed: nothing of it is ever published
 
+    @property
+    def prefilling(self) -> bool:
+        """Known tokens are not computed yet outside a pass: the prompt is being admitted in
+        chunks (`Coordinator.schedule(num_tokens=...)`). Its pages stay pinned until then
+        (`ResidencyPolicy`), so a chunk reads every earlier row through `res_blocks`."""
+        return self.num_computed + self.scheduled < len(self.token_ids)
+
     def view(self) -> RequestView:
         return RequestView(
             request_id=self.request_id, state_row=self.state_row,

@@ -15,7 +15,10 @@ The residency semantics are written down in `docs/semantics.md`. In short:
     (`readers`) until the pool hands it to someone else; then the owner's `res` entry becomes
     null and the page is read from host (`lose_page`);
   - `offload_all` (the naive-offload baseline): every request asks for a hot region from its
-    first step, and an unpinned page is lost at once.
+    first step, and an unpinned page is lost at once;
+  - a request whose prompt is admitted in chunks keeps every page pinned and asks for no hot
+    region until its last chunk is computed (`RequestRecord.prefilling`): a chunk reads the
+    earlier chunks' rows through its resident pages.
 
 Every resident block is released through `release_device_page`, whose reuse watcher also drops
 the block from the prefix cache's index of device copies (`forget_copy`).
@@ -80,7 +83,11 @@ class ResidencyPolicy:
     def update(self, r: RequestRecord) -> None:
         """After `r`'s step: ask for a hot region under pressure or once it holds
         `ask_at_tokens` tokens, or unpin its clean pages outside the tail once it has one (tail
-        first: heads survive longer)."""
+        first: heads survive longer). A request whose prompt is still being computed in chunks
+        (`RequestRecord.prefilling`) does neither: its next chunk reads every earlier row
+        through its resident pages, so it asks (and unpins) after its last chunk."""
+        if r.prefilling:
+            return
         if not r.hot:
             if (self.device_pool.num_free >= self.watermark + self.room
                     and r.num_computed < self.ask_at_tokens and not self.offload_all):
@@ -103,7 +110,7 @@ class ResidencyPolicy:
     def page_clean(self, r: RequestRecord, page: int) -> None:
         """Page `page` of running request `r` got its completed host copy."""
         r.pinned_clean.add(page)
-        if r.hot and page < len(r.res_blocks) - ACTIVE_TAIL_PAGES:
+        if r.hot and not r.prefilling and page < len(r.res_blocks) - ACTIVE_TAIL_PAGES:
             self.unpin_page(r, page)
 
     def unpin_page(self, r: RequestRecord, page: int) -> None:

@@ -1,0 +1,340 @@
+"""Chunked prefill (`EngineConfig.prefill_chunk_size`): exact against the one-shot prefill.
+
+  * the model: `Transformer.prefill_chunk` over every chunk of a prompt reads what the
+    one-shot `prefill` reads (same last-token logits and attention, same rows and index keys
+    to rounding of the chunk's shapes);
+  * the host tier: a request admitted in chunks keeps every page pinned and asks for no hot
+    region until its last chunk, whatever the pressure;
+  * the engine: in every mode (all-resident, HiSparse under pressure, naive offload), with
+    chunks that do or do not divide the prompts, prompts shorter than a chunk, a per-step
+    prefill budget and chunks interleaved with other requests' decode, every request's
+    greedy tokens equal those of an all-resident engine prefilling in one shot; a failing
+    chunk fails its request only, and a request preempted between chunks restarts its
+    prefill.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse_jax import nn
+from hisparse_jax.cache import AllResident, HiSparseKVCache
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine.mesh import MeshEngine
+from hisparse_jax.topk_sources import DriftTopK
+from host_tier import Coordinator
+from tests.engine_reference import assert_idle
+from tests.engine_runs import run_prompts
+from tests.test_engine_lifecycle import _drain, _failing_once
+
+MAX_LEN = 48
+SIZES = dict(max_seats=3, max_model_len=MAX_LEN, block_size=4)
+# 27 usable device blocks: three 12-page requests need 36 plus hot regions of 8.
+PRESSURE = dict(num_gpu_blocks=28)
+PROMPTS = [np.random.default_rng(200 + i).integers(0, 512, n).tolist()
+           for i, n in enumerate((37, 3, 22, 30, 9, 26))]
+GEN = 10
+
+
+@functools.cache
+def tiny_model():
+    return nn.init_model("tiny", seed=0)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@functools.cache
+def _model_steps():
+    """Jitted one-shot `prefill` and `prefill_chunk` of the tiny model, and a fresh cache of
+    two state rows (the request uses row 1) with 2 * MAX_LEN / B pages."""
+    model = tiny_model()
+    mc = model.cfg
+    graphdef, state = nnx.split(model)
+    cfg = HiSparseConfig(top_k=mc.top_k, hot_size=mc.top_k, block_size=4, max_num_reqs=2,
+                         row_width=mc.row_width, kv_dtype=mc.kv_dtype, max_model_len=MAX_LEN,
+                         num_gpu_blocks=1 + 2 * MAX_LEN // 4)
+
+    def fresh():
+        kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=AllResident())
+        return nn.DecodeCache(kv, tuple(jnp.zeros((2, MAX_LEN, mc.index_dim), mc.kv_dtype)
+                                        for _ in range(mc.num_groups)))
+
+    @jax.jit
+    def one_shot(cache, tokens, length, write_rows):
+        return nnx.merge(graphdef, state).prefill(cache, tokens, length, jnp.int32(1),
+                                                  write_rows, collect_attention=True)
+
+    @jax.jit
+    def chunk(cache, tokens, start, length, pages):
+        return nnx.merge(graphdef, state).prefill_chunk(cache, tokens, start, length,
+                                                        jnp.int32(1), pages,
+                                                        collect_attention=True)
+
+    return fresh, one_shot, chunk
+
+
+@settings(max_examples=8)
+@given(n=st.integers(1, MAX_LEN - 1), chunk_size=st.integers(1, 20), seed=st.integers(0, 99))
+def test_prefill_chunks_read_what_the_one_shot_prefill_reads(n, chunk_size, seed):
+    fresh, one_shot, chunk = _model_steps()
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 512, n)
+    B = 4
+    # The request's pages: scattered over the cache (block 0 is the null block).
+    pages = rng.permutation(np.arange(1, 1 + 2 * MAX_LEN // B))[:MAX_LEN // B].astype(np.int32)
+    tokens = np.zeros(MAX_LEN, np.int32)
+    tokens[:n] = prompt
+    pos = np.arange(n)
+    rows = pages[pos // B] * B + pos % B
+    write_rows = np.full(MAX_LEN, -1, np.int32)
+    write_rows[:n] = rows
+    want_logits, want, want_aux = one_shot(fresh(), tokens, jnp.int32(n), write_rows)
+    cache = fresh()
+    for start in range(0, n, chunk_size):
+        k = min(chunk_size, n - start)
+        padded = np.zeros(16 if k <= 16 else 32, np.int32)  # two padded chunk lengths
+        padded[:k] = prompt[start:start + k]
+        logits, cache, aux = chunk(cache, padded, jnp.int32(start), jnp.int32(k), pages)
+    # The query rows of a chunk run through ops of other shapes than the one-shot prefill's
+    # (its attention sums in another order): float32 results may differ in the last bits,
+    # so a bf16 value (index key, row, attention output) may round one step apart (even the
+    # first layer's: XLA's CPU matmuls round by shape), and the logits move by what such a
+    # step moves them.
+    tol = dict(rtol=2 ** -6, atol=2 ** -6)
+    np.testing.assert_allclose(logits, want_logits, **tol)
+    np.testing.assert_allclose(np.asarray(aux["attention"], np.float32),
+                               np.asarray(want_aux["attention"], np.float32), **tol)
+    for got_keys, want_keys in zip(cache.index_keys, want.index_keys, strict=True):
+        np.testing.assert_allclose(np.asarray(got_keys[1, :n], np.float32),
+                                   np.asarray(want_keys[1, :n], np.float32), **tol)
+    for got_kv, want_kv in zip(cache.kv.caches, want.kv.caches, strict=True):
+        got_rows = np.asarray(got_kv.reshape(-1, got_kv.shape[-1])[rows], np.float32)
+        want_rows = np.asarray(want_kv.reshape(-1, want_kv.shape[-1])[rows], np.float32)
+        np.testing.assert_allclose(got_rows, want_rows, **tol)
+        # Nothing else was written: every other row is still zero.
+        others = np.delete(np.asarray(got_kv.reshape(-1, got_kv.shape[-1]), np.float32),
+                           rows, axis=0)
+        assert not others.any()
+
+
+# --------------------------------------------------------------------------- the host tier
+
+
+@settings(max_examples=20)
+@given(n=st.integers(2, 44), chunk_size=st.integers(1, 12), offload_all=st.booleans())
+def test_a_request_admitted_in_chunks_keeps_its_pages_until_its_last_chunk(n, chunk_size,
+                                                                           offload_all):
+    # The pool is under pressure throughout (`request_room`): every request asks for a hot
+    # region after its step and unpins its clean pages once it has one; spills complete at
+    # once. Another request runs beside it with its hot region, its pages unpinned.
+    coord = Coordinator(block_size=4, num_gpu_blocks=25, num_host_blocks=40, hot_blocks=4,
+                        max_num_reqs=2, max_model_len=MAX_LEN, enable_prefix_caching=False,
+                        offload_all=offload_all)
+    coord.request_room(100)
+
+    def run_plan():
+        plan = coord.build_plan()
+        ids = [s.transfer_id for s in plan.spills]
+        coord.on_transfers(enqueued=ids, completed=ids)
+        coord.check_invariants()
+
+    coord.admit("other", list(range(44)))
+    run_plan()
+    coord.schedule("other", new_token_ids=[1])
+    run_plan()
+    other = coord.view("other")  # unpinned pages (lost at once with offload_all)
+    assert other.hot_blocks and (other.unpinned_pages or 0 in other.resident_blocks)
+    prompt = list(range(n))
+    assert hasattr(coord.admit("chunked", prompt, num_new_tokens=min(chunk_size, n)),
+                   "state_row")
+    done = min(chunk_size, n)
+    while True:
+        run_plan()
+        view = coord.view("chunked")
+        if done == n:
+            break
+        assert not view.hot_required and not view.hot_blocks and not view.unpinned_pages
+        assert all(b > 0 for b in view.resident_blocks[:-(-done // 4)])
+        k = min(chunk_size, n - done)
+        assert coord.schedule("chunked", num_tokens=k) is None
+        done += k
+    # After its last chunk it follows the watermark like any request.
+    assert view.hot_required
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of an all-resident engine prefilling each prompt in one shot."""
+    engine, out = run_prompts(tiny_model(), PROMPTS, max_new_tokens=GEN, all_resident=True,
+                              prefill_bucket=MAX_LEN, **SIZES)
+    engine.close()
+    return [r.generated for r in out]
+
+
+def _interleaving(engine, seen):
+    """on_step: whether a request between chunks and a decoding one ran side by side."""
+    states = {r.prefilling for r in engine.running.values()}
+    seen.append(states == {True, False})
+
+
+@pytest.mark.parametrize("mode, chunking", [
+    (dict(all_resident=True), dict(prefill_chunk_size=8)),
+    (dict(all_resident=True), dict(prefill_chunk_size=5, max_prefill_tokens_per_step=7)),
+    (PRESSURE, dict(prefill_chunk_size=5, max_prefill_tokens_per_step=12)),
+    (PRESSURE, dict(prefill_chunk_size=16)),
+    (dict(naive_offload=True), dict(prefill_chunk_size=7)),
+], ids=["all-resident-8", "all-resident-5-budget-7", "hisparse-5-budget-12", "hisparse-16",
+        "naive-offload-7"])
+def test_chunked_prefill_decodes_what_one_shot_all_resident_decodes(reference, mode, chunking):
+    # Chunks pad to prefill_bucket = the chunk size: one chunk prefill compile in all.
+    chex.clear_trace_counter()
+    engine = Engine(tiny_model(), EngineConfig(
+        prefill_bucket=chunking["prefill_chunk_size"], max_traces=1, **SIZES, **mode,
+        **chunking))
+    try:
+        ids = [engine.add_request(p, max_new_tokens=GEN) for p in PROMPTS]
+        seen = []
+        out = engine.run(on_step=functools.partial(_interleaving, seen=seen))
+        for rid, want in zip(ids, reference, strict=True):
+            assert out[rid].finish_reason == "length", out[rid].error
+            assert out[rid].generated == want, rid
+        assert any(seen)  # chunks shared steps with other requests' decode
+        m = engine.metrics
+        # A preempted request prefills again (under pressure).
+        assert m.prefills >= len(PROMPTS) and m.prompt_tokens >= sum(map(len, PROMPTS))
+        if not m.preemptions:
+            assert m.prefills == len(PROMPTS) and m.prompt_tokens == sum(map(len, PROMPTS))
+        assert set(engine.trace_counts) >= {"prefill_chunk"}
+        assert "prefill" not in engine.trace_counts
+        if mode is PRESSURE:
+            s = engine.summary()
+            assert s["spilled_pages"] > 0 and s["unpinned_pages"] > 0, s
+            assert s["lost_pages"] > 0 and s["hot_grants"] > 0, s
+            assert engine.metrics.hot_misses > 0, s
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    """A chunked HiSparse engine under pressure, shared by the failure tests."""
+    engine = Engine(tiny_model(), EngineConfig(prefill_bucket=4, prefill_chunk_size=5,
+                                               **SIZES, **PRESSURE))
+    yield engine
+    engine.close()
+
+
+def _record_preemptions(engine, monkeypatch):
+    """Whether each request `engine`'s scheduler preempts was between prefill chunks."""
+    preempt, between = engine.scheduler.preempt, []
+
+    def recording(req):
+        between.append(req.prefilling)
+        preempt(req)
+
+    monkeypatch.setattr(engine.scheduler, "preempt", recording)
+    return between
+
+
+def _serve(engine, tag):
+    ids = [engine.add_request(p, max_new_tokens=GEN, request_id=(tag, i))
+           for i, p in enumerate(PROMPTS)]
+    done, raised = _drain(engine)
+    assert not engine.scheduler.pass_chunks
+    engine.scheduler.deliver(wait=True)
+    assert_idle(engine)
+    return ids, done, raised
+
+
+def _assert_reference(engine, reference, ids, skip=()):
+    for rid, want in zip(ids, reference, strict=True):
+        if rid not in skip:
+            req = engine.finished[rid]
+            assert (req.finish_reason, req.generated) == ("length", want), (rid, req.error)
+
+
+def test_a_failing_chunk_fails_only_its_request(chunked, reference, monkeypatch):
+    prefill_chunk = chunked.runner.prefill_chunk
+    calls = {}
+
+    def failing(req, blocks, start, num_tokens):
+        calls[req.request_id] = calls.get(req.request_id, 0) + 1
+        if req.request_id == ("bad", 0) and start > 0:
+            raise RuntimeError("chunk exploded")  # the first prompt's second chunk
+        return prefill_chunk(req, blocks, start, num_tokens)
+
+    monkeypatch.setattr(chunked.runner, "prefill_chunk", failing)
+    ids, _, raised = _serve(chunked, "bad")
+    assert not raised
+    bad = chunked.finished[ids[0]]
+    assert bad.finish_reason == "error" and "chunk exploded" in bad.error
+    assert not bad.generated and calls[ids[0]] == 2
+    _assert_reference(chunked, reference, ids, skip={ids[0]})
+
+
+@pytest.mark.parametrize("after_call", [False, True], ids=["before", "device-arrays-lost"])
+def test_a_failing_decode_step_restarts_the_prefill_of_requests_between_chunks(
+        chunked, reference, monkeypatch, after_call):
+    wrappers = []
+    for name in ("decode_fast", "decode_hot"):
+        wrappers.append(_failing_once(chunked.runner.jitted[name], after_call=after_call,
+                                      at=2))
+        monkeypatch.setitem(chunked.runner.jitted, name, wrappers[-1])
+    between = _record_preemptions(chunked, monkeypatch)
+    ids, _, raised = _serve(chunked, f"decode-fails-{after_call}")
+    assert len(raised) == sum(w.fired for w in wrappers) >= 1
+    assert True in between and False in between  # decoding and mid-prefill requests
+    _assert_reference(chunked, reference, ids)
+
+
+def test_a_chunk_that_loses_the_device_arrays_fails_only_its_request(chunked, reference,
+                                                                     monkeypatch):
+    jitted = chunked.runner.jitted["prefill_chunk"]
+    monkeypatch.setitem(chunked.runner.jitted, "prefill_chunk",
+                        _failing_once(jitted, after_call=True, at=3))
+    resets = chunked.metrics.device_resets
+    between = _record_preemptions(chunked, monkeypatch)
+    ids, done, raised = _serve(chunked, "lost")
+    assert not raised
+    failed = [r.request_id for r in done if r.finish_reason == "error"]
+    assert len(failed) == 1 and chunked.metrics.device_resets == resets + 1
+    assert True in between
+    # Every other request, mid-prefill ones included, was preempted and recomputed.
+    _assert_reference(chunked, reference, ids, skip=set(failed))
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prefill_chunk_size=0), "EngineConfig.prefill_chunk_size must be a positive int"),
+    (dict(prefill_chunk_size=2.5), "EngineConfig.prefill_chunk_size must be a positive int"),
+    (dict(prefill_chunk_size=4, max_prefill_tokens_per_step=0),
+     "EngineConfig.max_prefill_tokens_per_step must be a positive int"),
+    (dict(max_prefill_tokens_per_step=8), "max_prefill_tokens_per_step needs prefill_chunk"),
+    (dict(prefill_chunk_size=4, topk_source=DriftTopK()),
+     "EngineConfig.prefill_chunk_size needs the indexer"),
+])
+def test_chunk_config_is_checked_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_the_mesh_engine_refuses_chunked_prefill():
+    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.prefill_chunk_size"):
+        MeshEngine(tiny_model(), EngineConfig(prefill_chunk_size=4, **SIZES))

@@ -11,7 +11,8 @@
 #        stage_prefill_rows (`ops` runs them all); spec_gpu (the GPU-scale speculative exactness test),
 #        decode_spec (the decode check with 2 MTP draft tokens per step), speculative (the
 #        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9), profile
-#        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident)
+#        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident),
+#        decode_chunked (the decode check with chunked prefill)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -49,6 +50,9 @@ run_step() {  # name, time limit in s, command...
       # 8 prompts of up to 3500 tokens on 400 device blocks of 64 rows (all-resident: 8 x 56):
       # requests move to hot regions, pages are lost and read from host; tokens are checked.
       decode) run_step decode 150 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
+      # The same check with chunked prefill (1,024-token chunks sharing steps with decode)
+      # against the one-shot all-resident reference.
+      decode_chunked) run_step decode_chunked 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 1024 --prefill-chunk-size 1024 --check ;;
       decode_fp8) run_step decode_fp8 150 python3 examples/decode.py --config dsv32-2l --kv-format fp8_ds_mla --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
       e2e_fp8) run_step e2e_fp8 "${E2E_FP8_LIMIT:-580}" python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident --concurrency 1,64,256 --turnover-sweep= --time-budget "${E2E_FP8_BUDGET:-480}" --no-plot ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;

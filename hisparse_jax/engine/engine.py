@@ -72,7 +72,7 @@ from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock, summarise
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
-from hisparse_jax.engine.runner import PendingDecode, Runner, variant_name
+from hisparse_jax.engine.runner import DecodeResult, PendingDecode, Runner, variant_name
 from hisparse_jax.engine.scheduler import Scheduler
 from hisparse_jax.nn import Transformer
 from hisparse_jax.ops import mirror_rows, restore_rows
@@ -206,6 +206,37 @@ def _raise_notes(notes: list[str], error: BaseException | None) -> None:
             error.add_note(note)
     elif notes:
         raise RuntimeError("; ".join(notes))
+
+
+def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
+                  result: DecodeResult) -> None:
+    """Hands each request of a collected decode step (in batch order) its tokens
+    (`Scheduler.record`, up to a stop), its next drafts and its acceptance counts.
+
+    The result's arrays become Python lists once (indexing numpy per token cost more than the
+    recording itself at hundreds of requests). A function of its own, so that
+    `bench/host_step.py` times it without a device.
+    """
+    counts, tokens = result.counts.tolist(), result.tokens.tolist()
+    drafts = result.drafts.tolist() if result.drafts is not None else None
+    attention = result.attention
+    for req in reqs:
+        scheduler.collected(req)
+        seat = req.seat
+        count = counts[seat]
+        if req.step_drafts:
+            metrics.draft_tokens += len(req.step_drafts)
+            metrics.accepted_tokens += count - 1
+            req.num_drafted += len(req.step_drafts)
+            req.num_accepted += count - 1
+        if drafts is not None:
+            req.drafts = drafts[seat]
+        row = tokens[seat]
+        for i in range(count):
+            if attention is not None and not req.replaying:
+                req.attention.append(attention[:, seat, i])
+            if scheduler.record(req, row[i]):
+                break
 
 
 class Engine:
@@ -524,7 +555,7 @@ class Engine:
     def _collect(self, pending: PendingDecode) -> None:
         result = self.runner.collect_decode(pending)
         reqs = pending.requests
-        emitted = int(sum(result.counts[req.seat] for req in reqs))
+        emitted = int(result.counts[[req.seat for req in reqs]].sum())
         if self._clock.account(variant_name(pending.residency), result.seconds,
                                "decode_seconds", compiled=result.compiled):
             self._clock.decode_tokens += emitted
@@ -532,24 +563,9 @@ class Engine:
                                    misses=result.misses,
                                    index_group_size=self.model_config.index_group_size,
                                    row_bytes=self.row_bytes)
-        m = self.metrics
-        m.decode_request_steps += len(reqs)
-        m.decode_emitted += emitted
-        for req in reqs:
-            self.scheduler.collected(req)
-            count = int(result.counts[req.seat])
-            if req.step_drafts:
-                m.draft_tokens += len(req.step_drafts)
-                m.accepted_tokens += count - 1
-                req.num_drafted += len(req.step_drafts)
-                req.num_accepted += count - 1
-            if result.drafts is not None:
-                req.drafts = [int(t) for t in result.drafts[req.seat]]
-            for i in range(count):
-                if result.attention is not None and not req.replaying:
-                    req.attention.append(result.attention[:, req.seat, i])
-                if self.scheduler.record(req, int(result.tokens[req.seat, i])):
-                    break
+        self.metrics.decode_request_steps += len(reqs)
+        self.metrics.decode_emitted += emitted
+        record_decode(self.scheduler, self.metrics, reqs, result)
 
     def _recover(self, st: _OpenStep, error: BaseException | None) -> None:
         """Makes the engine consistent after a step failed part-way (module docstring).

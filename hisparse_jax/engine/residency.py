@@ -96,6 +96,26 @@ class StaticResidency:
         seat.scheduled = seat.num_tokens - seat.num_computed if num_tokens is None else num_tokens
         self._pass.append(request_id)
 
+    def schedule_batch(self, request_ids: Sequence[Hashable],
+                       new_token_ids: Sequence[Sequence[int]],
+                       num_lookahead_tokens: Sequence[int] | None = None) -> list[None]:
+        """`schedule` for each request in order (`Coordinator.schedule_batch`); never waits.
+
+        Raises:
+          ValueError: the sequences differ in length, or a request is not admitted (before
+            anything changes).
+        """
+        del num_lookahead_tokens  # every page of the seat is resident already
+        if len(new_token_ids) != len(request_ids):
+            raise ValueError(f"schedule_batch: new_token_ids has {len(new_token_ids)} entries, "
+                             f"request_ids {len(request_ids)}; they must have one per request")
+        for i, rid in enumerate(request_ids):
+            if rid not in self._seats:
+                raise ValueError(f"schedule_batch[{i}]: request_id {rid!r} is not admitted")
+        for rid, tokens in zip(request_ids, new_token_ids, strict=True):
+            self.schedule(rid, new_token_ids=tokens)
+        return [None] * len(request_ids)
+
     def build_plan(self) -> StepPlan:
         writes = []
         for rid in self._pass:

@@ -86,6 +86,36 @@ def _int32_bits(value: int) -> int:
     return (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
+def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...]) -> None:
+    """Writes the decode inputs of `reqs` into their seats' rows of `inputs` (tokens,
+    positions, state_rows, temperature, seeds, steps, as `Runner._idle_inputs` makes them):
+    each request's last token, then its `step_drafts` at the next positions (tokens and
+    positions are [S, 1 + k] with speculation, else [S]).
+
+    One numpy assignment per array for the whole batch: element by element, the filling
+    cost several microseconds a request, on the host's critical path between model steps.
+    A function of its own, so that `bench/host_step.py` times it without a device.
+    """
+    tokens, positions, state_rows, temperature, seeds, steps = inputs
+    S = len(state_rows)
+    token_rows, position_rows = tokens.reshape(S, -1), positions.reshape(S, -1)
+    rows = np.array([(req.seat, req.live, len(req.prompt), req.generated[req.live - 1],
+                      req.sampling_seed) for req in reqs], np.int64).reshape(-1, 5)
+    seats, lives = rows[:, 0], rows[:, 1]
+    token_rows[seats, 0] = rows[:, 3]  # its last live token
+    position_rows[seats, 0] = rows[:, 2] + lives - 1
+    state_rows[seats] = seats
+    temperature[seats] = [req.temperature for req in reqs]
+    seeds[seats] = rows[:, 4].astype(np.int32)  # the low 32 bits, as `_int32_bits`
+    steps[seats] = lives - 1  # decode steps since the prefill
+    if token_rows.shape[1] > 1:  # speculation: the drafts at the next positions
+        for req in reqs:
+            if req.step_drafts:
+                n, pos = len(req.step_drafts), len(req.prompt) + req.live
+                token_rows[req.seat, 1:1 + n] = req.step_drafts
+                position_rows[req.seat, 1:1 + n] = range(pos, pos + n)
+
+
 def variant_name(residency: Residency) -> str:
     """The decode step variant of a residency: "decode_fast" (reads no host rows) or
     "decode_hot"."""
@@ -276,23 +306,11 @@ class Runner:
         """Launches the decode step variant of `residency` for `reqs` (asynchronously). With
         speculation each request's row holds its last token and its `step_drafts`, at
         consecutive positions (-1 past its drafts: no row)."""
-        tokens, positions, state_rows, temperature, seeds, steps = self._idle_inputs()
-        # [S, 1 + k] views (k = 0: of the [S] arrays); step_drafts is empty without speculation.
-        S = len(state_rows)
-        token_rows, position_rows = tokens.reshape(S, -1), positions.reshape(S, -1)
-        for req in reqs:
-            pos = len(req.prompt) + req.live - 1
-            n = len(req.step_drafts)
-            token_rows[req.seat, :1 + n] = (req.last_live_token, *req.step_drafts)
-            position_rows[req.seat, :1 + n] = np.arange(pos, pos + 1 + n)
-            state_rows[req.seat] = req.seat
-            temperature[req.seat] = req.temperature
-            seeds[req.seat] = _int32_bits(req.sampling_seed)
-            steps[req.seat] = req.live - 1  # decode steps since the prefill
+        inputs = self._idle_inputs()
+        fill_decode_inputs(reqs, inputs)
         compiles = CompileWatch.count
         t0 = time.perf_counter()
-        next_tokens, aux = self._decode(residency, tokens, positions, state_rows, temperature,
-                                        seeds, steps)
+        next_tokens, aux = self._decode(residency, *inputs)
         return PendingDecode(reqs, residency, t0, next_tokens, aux, compiles)
 
     def _decode(self, residency: Residency, *host_arrays: np.ndarray

@@ -76,7 +76,7 @@ class Scheduler:
     """Queues and admission (module docstring).
 
     Args:
-      manager: the residency manager (Coordinator API: admit / schedule / build_plan /
+      manager: the residency manager (Coordinator API: admit / schedule_batch / build_plan /
         finish / cancel / preempt / abort / view / all_pages_resident / request_room /
         on_transfers / has_pending_transfers / failed_requests / capacity_error, `in`,
         `device_pool.num_free`, `hot_blocks`, `stats`).
@@ -148,24 +148,34 @@ class Scheduler:
         self.deliver()
         self._finish_failed_restores()
         decode, chunks, waited = self.pass_decode, self.pass_chunks, []
-        for req in list(self.running.values()):
-            if req.prefilling:  # between chunks: its next one, if the budget leaves room
-                n = self._next_chunk(req)
-                if not n:
-                    continue
-                if manager.schedule(req.request_id, num_tokens=n) is None:
-                    self._take_chunk(req, n)
-                    chunks.append(req)
-                else:
-                    waited.append(req)
-                continue
-            drafts = self._drafts(req) if self.num_speculative_tokens else []
-            result = manager.schedule(req.request_id,
-                                      new_token_ids=req.generated[req.counted:req.live],
-                                      num_lookahead_tokens=len(drafts))
+        running = list(self.running.values())
+        decoding = [req for req in running if not req.prefilling]
+        # One manager call for every decoding request (the per-request calls cost more host
+        # time than the scheduling itself at hundreds of requests).
+        if self.num_speculative_tokens:
+            drafts = [self._drafts(req) for req in decoding]
+            lookahead = [len(d) for d in drafts]
+        else:
+            drafts, lookahead = [[]] * len(decoding), None
+        results = manager.schedule_batch(
+            [req.request_id for req in decoding],
+            [req.generated[req.counted:req.live] for req in decoding], lookahead)
+        for req, req_drafts, result in zip(decoding, drafts, results, strict=True):
             if result is None:
-                req.counted, req.step_drafts = req.live, drafts
+                req.counted, req.step_drafts = req.live, req_drafts
                 decode.append(req)
+            else:
+                waited.append(req)
+        # Then requests between prefill chunks: their next one, if the budget leaves room.
+        for req in running:
+            if not req.prefilling:
+                continue
+            n = self._next_chunk(req)
+            if not n:
+                continue
+            if manager.schedule(req.request_id, num_tokens=n) is None:
+                self._take_chunk(req, n)
+                chunks.append(req)
             else:
                 waited.append(req)
         m.waits += len(waited)
@@ -281,19 +291,20 @@ class Scheduler:
         a stop token (kept), `max_new_tokens`, or `max_model_len` tokens. While the request
         replays, the token is one it generated before: the known one is kept (a different
         draw counts in `metrics.replay_mismatches`)."""
-        if req.replaying:
+        generated = req.generated
+        if req.live < len(generated):  # replaying (`Request.replaying`, inlined: per token)
             self.metrics.replayed_tokens += 1
-            self.metrics.replay_mismatches += token != req.generated[req.live]
+            self.metrics.replay_mismatches += token != generated[req.live]
             req.live += 1
             return False
-        req.generated.append(token)
+        generated.append(token)
         req.live += 1
         self.metrics.generated_tokens += 1
         if token in req.stop_token_ids:
             reason = "stop"
-        elif req.max_new_tokens is not None and len(req.generated) >= req.max_new_tokens:
+        elif req.max_new_tokens is not None and len(generated) >= req.max_new_tokens:
             reason = "length"
-        elif req.num_tokens >= self.cfg.max_model_len:
+        elif len(req.prompt) + len(generated) >= self.cfg.max_model_len:  # req.num_tokens
             reason = "max_model_len"
         else:
             return False

@@ -19,7 +19,7 @@ row (gather `table[state_rows]` for its batch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -27,6 +27,20 @@ from host_tier.plan import GROUPS, TableRows, TableUpdate
 from host_tier.sizes import check_int
 
 __all__ = ["GROUPS", "BlockTables"]
+
+_CHUNK = 64  # entries `set_row` compares at a time to find the span that changed
+
+
+def _bisect(lo: int, hi: int, right: Callable[[int, int], bool]) -> tuple[int, int]:
+    """Halves `[lo, hi)` down to `_CHUNK` entries, keeping the upper half where
+    `right(lo, mid)` and the lower half otherwise; returns the last `(lo, hi)`."""
+    while hi - lo > _CHUNK:
+        mid = (lo + hi) // 2
+        if right(lo, mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
 
 
 class BlockTables:
@@ -45,6 +59,10 @@ class BlockTables:
                        "hot": check_int("BlockTables", "hot_blocks", hot_blocks)}
         self._tables = {g: np.zeros((max_num_reqs, w), np.int32) for g, w in self.widths.items()}
         self._dirty: dict[str, set[int]] = {g: set() for g in GROUPS}
+        # Each row's blocks as last set (a list; the table holds them padded with 0): `set_row`
+        # compares lists, far cheaper than converting them to numpy.
+        self._rows: dict[str, list[list[int]]] = {g: [[] for _ in range(max_num_reqs)]
+                                                  for g in GROUPS}
 
     @property
     def max_num_reqs(self) -> int:
@@ -63,11 +81,30 @@ class BlockTables:
             raise ValueError(
                 f"{group} table rows hold {table.shape[1]} blocks, got {len(blocks)} "
                 f"(for src/res: more pages than max_model_len allows)")
-        new = np.zeros(table.shape[1], np.int32)
-        new[: len(blocks)] = blocks
-        if not np.array_equal(new, table[state_row]):
-            table[state_row] = new
-            self._dirty[group].add(state_row)
+        old = self._rows[group][state_row]
+        new = blocks if type(blocks) is list else list(blocks)
+        if new == old:  # the common case (list comparisons run in C)
+            return
+        new = new.copy()
+        # Converting a Python list to numpy costs ~35 ns an entry, and rows are max_pages wide
+        # while a step changes a few entries (a page opened or bound near the tail, a page
+        # lost): bisect (list comparisons run in C) for the span that changed, write only it.
+        n, m = len(new), len(old)
+        common, end = min(n, m), max(n, m)
+        if n != m and new[:common] == old[:common]:  # grown or shrunk, the rest unchanged
+            if not (any(new[common:]) or any(old[common:])):
+                self._rows[group][state_row] = new
+                return  # the same row once padded with 0
+            lo = common
+        else:
+            # The first chunk that differs (new[:lo] == old[:lo]) and, for rows of one length,
+            # the last (new[end:] == old[end:]).
+            lo = _bisect(0, common, lambda a, mid: new[a:mid] == old[a:mid])[0]
+            if n == m:
+                end = _bisect(lo, n, lambda a, mid: new[mid:n] != old[mid:n])[1]
+        table[state_row, lo:end] = new[lo:end] + [0] * (end - n)
+        self._dirty[group].add(state_row)
+        self._rows[group][state_row] = new
 
     def clear_row(self, state_row: int) -> None:
         for group in GROUPS:

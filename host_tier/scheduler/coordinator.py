@@ -27,6 +27,7 @@ Usage, once per model step::
 
     coord.admit(rid, prompt)              # new requests: Admitted, or Wait(reason)
     coord.schedule(rid, new_token_ids=t)  # running requests: None, or Wait(reason)
+    coord.schedule_batch(rids, tokens)    # (or all of them in one call, the decode step)
     plan = coord.build_plan()             # StepPlan for the TransferEngine / model step
     ...                                   # worker executes the plan
     coord.on_transfers(report)            # whenever the worker reports (late, any order)
@@ -55,6 +56,8 @@ from host_tier.scheduler.invariants import check_coordinator
 from host_tier.scheduler.prefix_cache import PrefixCache
 from host_tier.scheduler.records import (
     ACTIVE_TAIL_PAGES,
+    INT64_END,
+    INT64_MIN,
     Admitted,
     CapacityError,
     PassLog,
@@ -477,56 +480,145 @@ class Coordinator:
           ValueError: unknown request, already scheduled in this pass, invalid tokens, more
             than max_model_len tokens, or num_lookahead_tokens out of range.
         """
+        r = self._requests.get(request_id)
+        if num_tokens is None and self._on_fast_path([r], [new_token_ids],
+                                                     [num_lookahead_tokens])[0]:
+            r.token_ids.append(new_token_ids[0])
+            r.scheduled = 1
+            self._pass.append(r)
+            return None
+        return self._schedule_checked(*self._check_schedule(
+            "schedule", request_id, num_tokens, new_token_ids, num_lookahead_tokens))
+
+    def schedule_batch(self, request_ids: Sequence[Hashable],
+                       new_token_ids: Sequence[Sequence[int]],
+                       num_lookahead_tokens: Sequence[int] | None = None) -> list[Wait | None]:
+        """Schedules running requests in this pass, in order, with every known token: the same
+        as `schedule(request_ids[i], new_token_ids=new_token_ids[i],
+        num_lookahead_tokens=num_lookahead_tokens[i])` for each i, in one call.
+
+        An engine's decode step schedules every running request; at hundreds of requests the
+        per-call overhead of `schedule` was a large part of the host time between model steps.
+        Requests on the decode fast path (one new token, room in their pages, no hot region to
+        grant) are scheduled inline; the others take `schedule`'s general path.
+
+        Every argument is checked before anything changes: a ValueError leaves the pass as it
+        was. A `Wait` for one request does not stop the others (as with separate calls).
+
+        Args:
+          request_ids: running requests, each at most once.
+          new_token_ids: per request, the tokens to append first (`schedule`'s new_token_ids).
+          num_lookahead_tokens: per request, `schedule`'s num_lookahead_tokens; None: all 0.
+
+        Returns:
+          Per request, what `schedule` returns: None when scheduled, else `Wait`.
+
+        Raises:
+          ValueError: the sequences differ in length, a request id appears twice, or an entry
+            `schedule` would reject (the message names its index).
+        """
+        n = len(request_ids)
+        if len(new_token_ids) != n:
+            raise ValueError(f"schedule_batch: new_token_ids has {len(new_token_ids)} entries, "
+                             f"request_ids {n}; they must have one entry per request")
+        if num_lookahead_tokens is None:
+            num_lookahead_tokens = (0,) * n
+        elif len(num_lookahead_tokens) != n:
+            raise ValueError(
+                f"schedule_batch: num_lookahead_tokens has {len(num_lookahead_tokens)} entries, "
+                f"request_ids {n}; they must have one entry per request (or be None)")
+        if len(set(request_ids)) != n:
+            seen: set[Hashable] = set()
+            twice = next(rid for rid in request_ids if rid in seen or seen.add(rid))
+            raise ValueError(f"schedule_batch: request_ids names request {twice!r} twice; a "
+                             "request is scheduled at most once per pass")
+        records = [self._requests.get(rid) for rid in request_ids]
+        fast = self._on_fast_path(records, new_token_ids, num_lookahead_tokens)
+        checked = [None if f else self._check_schedule(f"schedule_batch[{i}]", rid, None,
+                                                       tokens, la)
+                   for i, (f, rid, tokens, la) in enumerate(zip(
+                       fast, request_ids, new_token_ids, num_lookahead_tokens, strict=True))]
+        results: list[Wait | None] = []
+        pass_ = self._pass
+        for r, args, tokens in zip(records, checked, new_token_ids, strict=True):
+            if args is None:
+                r.token_ids.append(tokens[0])
+                r.scheduled = 1
+                pass_.append(r)
+                results.append(None)
+            else:
+                results.append(self._schedule_checked(*args))
+        return results
+
+    def _on_fast_path(self, records: list[RequestRecord | None],
+                      new_token_ids: Sequence[Sequence[int]],
+                      num_lookahead_tokens: Sequence[Any]) -> list[bool]:
+        """Per request (None: not admitted), whether scheduling it with its new tokens and
+        lookahead is the decode step of a request with room in its pages: one valid new token,
+        nothing to allocate, no table row changes (the general path does the same, slower).
+        One loop for the batch: a call per request cost more than the check."""
+        B, max_len = self.block_size, self.max_model_len
+        out = []
+        for r, tokens, la in zip(records, new_token_ids, num_lookahead_tokens, strict=True):
+            out.append(
+                r is not None and not r.scheduled and len(tokens) == 1
+                and r.num_computed == len(r.token_ids) and r.num_computed < max_len
+                and type(la) is int and 0 <= la < B
+                and min(r.num_computed + la, max_len - 1) < len(r.res_blocks) * B
+                and r.num_computed < len(r.host_blocks) * B
+                and (r.hot or not r.hot_required)
+                and type(tokens[0]) is int and INT64_MIN <= tokens[0] < INT64_END)
+        return out
+
+    def _check_schedule(self, what: str, request_id: Hashable, num_tokens: int | None,
+                        new_token_ids: Sequence[int], num_lookahead_tokens: Any
+                        ) -> tuple[RequestRecord, list[int], int, int]:
+        """`schedule`'s argument checks, which change nothing: the record, the new tokens, the
+        tokens to schedule and the lookahead. None of them depends on other requests, so a
+        batch checks every entry before scheduling any."""
         la = num_lookahead_tokens
         if la and (not is_int(la) or not 0 <= la < self.block_size):
             raise ValueError(
-                f"schedule: num_lookahead_tokens must be an int in [0, block_size="
+                f"{what}: num_lookahead_tokens must be an int in [0, block_size="
                 f"{self.block_size}) (lookahead rows may open at most one page), got {la!r}")
-        r = self._requests.get(request_id)
-        if (r is not None and not r.scheduled and num_tokens is None
-                and len(new_token_ids) == 1 and r.num_computed == len(r.token_ids)
-                and r.num_computed < self.max_model_len
-                and min(r.num_computed + la, self.max_model_len - 1)
-                < len(r.res_blocks) * self.block_size
-                and r.num_computed < len(r.host_blocks) * self.block_size
-                and (r.hot or not r.hot_required)):
-            # The decode step of a request with room in its pages: one token, nothing to
-            # allocate, no table row changes (the general path below does the same, slower).
-            token = new_token_ids[0]
-            if type(token) is int and -(1 << 63) <= token < (1 << 63):
-                r.token_ids.append(token)
-                r.scheduled = 1
-                self._pass.append(r)
-                return None
-        r = self._running(request_id, "schedule")
+        r = self._running(request_id, what)
         if r.scheduled:
-            raise ValueError(f"schedule: request {request_id!r} is already scheduled in this pass")
-        extra = check_tokens(new_token_ids, "new_token_ids")
+            raise ValueError(f"{what}: request {request_id!r} is already scheduled in this pass")
+        extra = check_tokens(new_token_ids, f"{what}: new_token_ids")
         known = len(r.token_ids) + len(extra)
         if known > self.max_model_len:
             raise ValueError(
-                f"schedule: request {request_id!r} would hold {known} tokens, more than "
+                f"{what}: request {request_id!r} would hold {known} tokens, more than "
                 f"max_model_len={self.max_model_len}")
         remaining = known - r.num_computed
         n = remaining if num_tokens is None else num_tokens
         if not is_int(n) or not 1 <= n <= remaining:
             raise ValueError(
-                f"schedule: num_tokens must be in [1, {remaining}] (known tokens not computed "
+                f"{what}: num_tokens must be in [1, {remaining}] (known tokens not computed "
                 f"yet), got {num_tokens!r}")
         n = int(n)
-        end = r.num_computed + n
-        page_end = min(end + int(la), self.max_model_len)  # lookahead rows need pages too
+        la = int(la)
+        page_end = min(r.num_computed + n + la, self.max_model_len)
+        new_pages = max(cdiv(page_end, self.block_size) - len(r.res_blocks), 0)
+        need = new_pages + (self.hot_blocks if r.hot_required and not r.hot else 0)
+        if need > self.device_pool.num_usable:
+            raise ValueError(
+                f"{what}: {n} tokens need {need} device blocks, the device pool has only "
+                f"{self.device_pool.num_usable}; schedule a smaller chunk")
+        return r, extra, n, la
+
+    def _schedule_checked(self, r: RequestRecord, extra: list[int], n: int,
+                          la: int) -> Wait | None:
+        """`schedule`'s general path after `_check_schedule`: grants a pending hot region and
+        allocates the pages, or returns `Wait` (nothing changed) when the pool is short."""
+        page_end = min(r.num_computed + n + la, self.max_model_len)  # lookahead rows need pages
         new_pages = max(cdiv(page_end, self.block_size) - len(r.res_blocks), 0)
         grant_hot = r.hot_required and not r.hot
         need = new_pages + (self.hot_blocks if grant_hot else 0)
-        if need > self.device_pool.num_usable:
-            raise ValueError(
-                f"schedule: {n} tokens need {need} device blocks, the device pool has only "
-                f"{self.device_pool.num_usable}; schedule a smaller chunk")
         if need > self.device_pool.num_free:
             self.stats["schedule_waits"] += 1
             return Wait("device_blocks", need, self.device_pool.num_free,
-                        self._device_wait_reason(need, f"request {request_id!r}"))
+                        self._device_wait_reason(need, f"request {r.request_id!r}"))
 
         r.token_ids.extend(extra)
         if grant_hot:
@@ -555,15 +647,25 @@ class Coordinator:
         forward) still carries them (`num_spill_retries`).
         """
         writes = []
-        for r in self._pass:
-            writes.append(StepWrite(r.request_id, r.state_row, r.num_computed, r.scheduled))
-            r.num_computed += r.scheduled
-            r.scheduled = 0
         budget = self._planner.budget
         plan_spills, update_residency = self._planner.plan_spills, self._residency.update
+        B = self.block_size
         for r in self._pass:
-            budget -= plan_spills(r, budget)
-            update_residency(r)
+            start, n = r.num_computed, r.scheduled
+            writes.append(StepWrite(r.request_id, r.state_row, start, n))
+            r.num_computed = computed = start + n
+            r.scheduled = 0
+            # The calls are skipped where they would change nothing (most requests of a decode
+            # step): no page sealed since the last pass and none to retry; a hot region with no
+            # clean page pinned outside the active tail (the pages `update` unpins), or a hot
+            # region already asked for.
+            if r.unbound or r.spill_cursor < computed // B:
+                budget -= plan_spills(r, budget)
+            if r.hot:
+                if r.pinned_clean and min(r.pinned_clean) < len(r.res_blocks) - ACTIVE_TAIL_PAGES:
+                    update_residency(r)
+            elif not r.hot_required:
+                update_residency(r)
         if self._retry:
             for r in list(self._retry):
                 budget -= plan_spills(r, budget)

@@ -19,7 +19,8 @@ from host_tier.sizes import is_int
 ACTIVE_TAIL_PAGES = 2
 """A request's last pages that are never unpinned: an in-flight step may still write them."""
 
-_INT64_MIN, _INT64_END = -(1 << 63), 1 << 63
+INT64_MIN, INT64_END = -(1 << 63), 1 << 63
+"""Token ids are int64: `INT64_MIN <= t < INT64_END`."""
 
 
 class CapacityError(ValueError):
@@ -188,11 +189,11 @@ def check_tokens(tokens: Sequence[int], what: str) -> list[int]:
     out = list(tokens)
     # Fast path (every decode step, every prompt): plain ints in the int64 range.
     if all(type(t) is int for t in out) and (
-            not out or (min(out) >= _INT64_MIN and max(out) < _INT64_END)):
+            not out or (min(out) >= INT64_MIN and max(out) < INT64_END)):
         return out
     out = []
     for i, t in enumerate(tokens):
-        if not is_int(t) or not _INT64_MIN <= t < _INT64_END:
+        if not is_int(t) or not INT64_MIN <= t < INT64_END:
             raise ValueError(f"{what}[{i}] must be an int64 token id, got {t!r}")
         out.append(int(t))
     return out

@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill prompts in chunks of at most C tokens, sharing steps with "
                         "decode (default: one shot); --check compares with all-resident "
                         "decoding that prefills in one shot")
+    p.add_argument("--check-chunked", action="store_true",
+                   help="with --prefill-chunk-size: --check's all-resident reference prefills "
+                        "in the same chunks (on a GPU, chunked and one-shot prefill round "
+                        "their bf16 GEMMs differently; this checks the residency alone)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="model, prompts and sampling seed, in [0, 2^32 - 1]")
@@ -250,6 +254,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.check:
             p.error("--acceptance-rate emits tokens the model did not choose: it excludes "
                     "--check")
+    if args.check_chunked and (args.prefill_chunk_size is None or not args.check):
+        p.error("--check-chunked needs --check and --prefill-chunk-size")
     model = nn.CONFIGS[args.config]
     if args.kv_format == kvf.FP8_DS_MLA and (model.kv_lora_rank, model.rope_dim) != (
             kvf.LATENT_DIM, kvf.ROPE_DIM):
@@ -307,7 +313,8 @@ def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
                   hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
                   all_resident=all_resident, prefill_bucket=args.prefill_bucket,
                   seed=args.seed, kv_format=args.kv_format, num_speculative_tokens=k,
-                  prefill_chunk_size=None if reference else args.prefill_chunk_size)
+                  prefill_chunk_size=(None if reference and not args.check_chunked
+                                      else args.prefill_chunk_size))
     if k and args.acceptance_rate is not None:
         kwargs["draft_source"] = AcceptanceRateDraft(args.acceptance_rate)
     kwargs.update(compile_cache_kwargs(args))

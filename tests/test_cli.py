@@ -101,6 +101,8 @@ CROSS_FIELD = [
      ["--acceptance-rate", "--check"]),
     (["--speculative-tokens", "1", "--hot-size", "16"],
      ["--hot-size", "--speculative-tokens 1", "top_k 16"]),
+    (["--check", "--check-chunked"], ["--check-chunked", "--prefill-chunk-size"]),
+    (["--prefill-chunk-size", "8", "--check-chunked"], ["--check-chunked", "--check"]),
 ]
 
 
@@ -169,6 +171,10 @@ def test_prefill_chunk_size_reaches_the_served_engine_only():
     # --check's all-resident reference prefills in one shot
     assert decode.engine_config(args, decode.model_config(args), all_resident=True,
                                 reference=True).prefill_chunk_size is None
+    # ... unless --check-chunked asks for the same chunks (which needs --check)
+    args = decode.build_parser().parse_args([*argv, "--check", "--check-chunked"])
+    assert decode.engine_config(args, decode.model_config(args), all_resident=True,
+                                reference=True).prefill_chunk_size == 12
 
 
 def test_chunked_prefill_example_check_passes(capsys):

@@ -68,7 +68,12 @@ from hisparse_jax.engine.engine import (
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
-from hisparse_jax.engine.runner import Runner, _int32_bits, _with_residency, variant_name
+from hisparse_jax.engine.runner import (
+    Runner,
+    _with_residency,
+    fill_decode_inputs,
+    variant_name,
+)
 from hisparse_jax.engine.sampler import base_key
 from hisparse_jax.engine.scheduler import ScheduledStep, Scheduler
 from hisparse_jax.nn import Transformer
@@ -533,15 +538,9 @@ class MeshEngine(Engine):
         tokens, positions, seeds, steps = (np.zeros(n, np.int32) for _ in range(4))
         state_rows = np.full(n, -1, np.int32)
         temperature = np.zeros(n, np.float32)
-        for d, reqs in decode.items():
-            for req in reqs:
-                i = d * S + req.seat
-                tokens[i] = req.last_live_token
-                positions[i] = len(req.prompt) + req.live - 1
-                state_rows[i] = req.seat  # local to the shard
-                temperature[i] = req.temperature
-                seeds[i] = _int32_bits(req.sampling_seed)
-                steps[i] = req.live - 1
+        inputs = (tokens, positions, state_rows, temperature, seeds, steps)
+        for d, reqs in decode.items():  # state rows local to the shard
+            fill_decode_inputs(reqs, inputs, offset=d * S)
         compiles = CompileWatch.count
         t0 = time.perf_counter()
         next_tokens, aux = self._mesh_decode(residency, tokens, positions, state_rows,

@@ -86,11 +86,13 @@ def _int32_bits(value: int) -> int:
     return (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
-def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...]) -> None:
+def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
+                       offset: int = 0) -> None:
     """Writes the decode inputs of `reqs` into their seats' rows of `inputs` (tokens,
     positions, state_rows, temperature, seeds, steps, as `Runner._idle_inputs` makes them):
     each request's last token, then its `step_drafts` at the next positions (tokens and
-    positions are [S, 1 + k] with speculation, else [S]).
+    positions are [S, 1 + k] with speculation, else [S]). `offset`: the batch row of seat 0
+    (the mesh engine's data shard d starts at d * seats; the state row stays the seat).
 
     One numpy assignment per array for the whole batch: element by element, the filling
     cost several microseconds a request, on the host's critical path between model steps.
@@ -102,18 +104,19 @@ def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...]) -> N
     rows = np.array([(req.seat, req.live, len(req.prompt), req.generated[req.live - 1],
                       req.sampling_seed) for req in reqs], np.int64).reshape(-1, 5)
     seats, lives = rows[:, 0], rows[:, 1]
-    token_rows[seats, 0] = rows[:, 3]  # its last live token
-    position_rows[seats, 0] = rows[:, 2] + lives - 1
-    state_rows[seats] = seats
-    temperature[seats] = [req.temperature for req in reqs]
-    seeds[seats] = rows[:, 4].astype(np.int32)  # the low 32 bits, as `_int32_bits`
-    steps[seats] = lives - 1  # decode steps since the prefill
+    at = seats + offset
+    token_rows[at, 0] = rows[:, 3]  # its last live token
+    position_rows[at, 0] = rows[:, 2] + lives - 1
+    state_rows[at] = seats
+    temperature[at] = [req.temperature for req in reqs]
+    seeds[at] = rows[:, 4].astype(np.int32)  # the low 32 bits, as `_int32_bits`
+    steps[at] = lives - 1  # decode steps since the prefill
     if token_rows.shape[1] > 1:  # speculation: the drafts at the next positions
         for req in reqs:
             if req.step_drafts:
                 n, pos = len(req.step_drafts), len(req.prompt) + req.live
-                token_rows[req.seat, 1:1 + n] = req.step_drafts
-                position_rows[req.seat, 1:1 + n] = range(pos, pos + n)
+                token_rows[offset + req.seat, 1:1 + n] = req.step_drafts
+                position_rows[offset + req.seat, 1:1 + n] = range(pos, pos + n)
 
 
 def variant_name(residency: Residency) -> str:

@@ -13,8 +13,11 @@ same requests and the same GPU KV budget (device blocks per layer) in three mode
 Prompts are long (default 65,536 tokens). Their prefill is SYNTHETIC: deterministic random KV
 rows are written straight into the device pages (then spilled to host like any prefill), the
 model is not run over the prompt; decode runs the model for real. The top-k comes from a drift
-model (`hisparse_jax.topk_sources.DriftTopK`: a set turnover per step) or a trace file
-(`--trace`, format in `hisparse_jax/topk_sources.py`), not from the indexer.
+model (`hisparse_jax.topk_sources.DriftTopK`: a set turnover per step), a trace file
+(`--trace`, format in `hisparse_jax/topk_sources.py`), or, with `--indexer`, the model's own
+indexer over synthetic unit-normal index keys (its full cost at the prompt length: keys of every
+row read and ranked each step; the selections, and so the turnover, are whatever it picks).
+`--num-layers` deepens the config (every layer its own attention; index groups as configured).
 
 For each (mode, concurrency C, turnover) the benchmark submits C requests, steps the engine
 until its steady state (C running, or all-resident's cap running with the rest waiting), runs
@@ -244,7 +247,7 @@ def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, 
         info: dict[str, dict[str, Any]] = {}
         try:
             for mode in group:
-                source = (TraceTopK.load(args.trace) if args.trace
+                source = (None if args.indexer else TraceTopK.load(args.trace) if args.trace
                           else DriftTopK(turnover=turnover, seed=1))
                 t0 = time.perf_counter()
                 engines[mode] = make_engine(model, args, sizes, mode=mode,
@@ -445,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="more turnovers, at --turnover-sweep-at concurrency (not all-resident)")
     p.add_argument("--turnover-sweep-at", type=int, default=None, help="default: max concurrency")
     p.add_argument("--trace", default=None, help="replay this top-k trace file instead")
+    p.add_argument("--indexer", action="store_true",
+                   help="the model's own indexer selects (over synthetic unit-normal index "
+                        "keys) instead of the drift model; the turnover flags do not apply")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the config's layer count (a deeper model)")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
@@ -473,9 +481,16 @@ def main(argv: list[str] | None = None) -> int:
         plot(src, Path(args.plot or src.with_suffix(".png")), args.sweep_from)
         return 0
     t_start = time.perf_counter()
-    cfg = nn.get_config(args.config)
     if args.context < 1 or args.gen_budget < 1:
         raise SystemExit("--context and --gen-budget must be positive")
+    if args.indexer and args.trace:
+        raise SystemExit("--indexer and --trace exclude each other (one top-k source)")
+    if args.num_layers is not None and args.num_layers < 1:
+        raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
+    if args.indexer:
+        args.turnover_sweep = []  # turnover is the drift model's knob
+    cfg = nn.get_config(args.config, **({} if args.num_layers is None
+                                        else {"num_layers": args.num_layers}))
     sizes = plan_sizes(args, cfg)
     model = nn.init_model(cfg, seed=0)
     counter = CompileCounter()
@@ -487,7 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     config = {"model": cfg.name, "context": args.context, "gen_budget": args.gen_budget,
               "block_size": args.block_size, "top_k": cfg.top_k,
               "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
-              "topk_source": f"trace {args.trace}" if args.trace else "drift model",
+              "num_layers": cfg.num_layers,
+              "topk_source": ("the model's indexer over synthetic unit-normal index keys"
+                              if args.indexer else f"trace {args.trace}" if args.trace
+                              else "drift model"),
               "prefill": "synthetic (random KV rows written straight into the caches)",
               "warmup_steps": args.warmup_steps, "measure_steps": args.measure_steps,
               "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0],

@@ -12,7 +12,9 @@
 #        decode_spec (the decode check with 2 MTP draft tokens per step), speculative (the
 #        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9), profile
 #        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident),
-#        decode_chunked (the decode check with chunked prefill)
+#        decode_chunked (the decode check with chunked prefill), e2e_repeat1 (three pairs at 1
+#        request), e2e_indexer (the model's indexer at 64K), e2e_deep (8 layers), cmdbuf (XLA
+#        command buffers: tokens and e2e at 256 with and without)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -71,6 +73,28 @@ run_step() {  # name, time limit in s, command...
         run_step profile_hisparse_256 240 python3 -m bench.profile_step --mode hisparse --concurrency 256
         run_step profile_all_resident_256 150 python3 -m bench.profile_step --mode all-resident --concurrency 256
         run_step profile_hisparse_64 150 python3 -m bench.profile_step --mode hisparse --concurrency 64 --budget-concurrency 256 ;;
+      # Three separate HiSparse / all-resident pairs at 1 request (the >= 1.0x target holds
+      # in each run or not: min and median over the three).
+      e2e_repeat1)
+        for i in 1 2 3; do
+          run_step "e2e_repeat1_$i" 150 python3 -m bench.e2e_decode --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-$i-gpu.json"
+        done ;;
+      # The model's own indexer selecting over 64K synthetic index keys (not the drift model).
+      e2e_indexer) run_step e2e_indexer 300 python3 -m bench.e2e_decode --indexer --concurrency 1,256 --modes hisparse,all-resident --no-plot --output bench/results/e2e_decode-indexer-gpu.json ;;
+      # A deeper model: 8 layers at 1 request and at 96 (the most whose 64K contexts the
+      # 128 GiB host holds pinned at 8 layers: ~60 GiB).
+      e2e_deep) run_step e2e_deep 330 python3 -m bench.e2e_decode --num-layers 8 --concurrency 1,96 --modes hisparse,all-resident --turnover-sweep= --no-plot --output bench/results/e2e_decode-8layers-gpu.json ;;
+      # XLA command buffers (CUDA graphs) for every thunk kind: the decode check's tokens with
+      # and without them (must be identical), then HiSparse / all-resident at 256 both ways.
+      cmdbuf)
+        cb="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
+        dec=(examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check)
+        run_step cmdbuf_decode_off 150 python3 "${dec[@]}" --json "$OUT/cmdbuf_off.json"
+        XLA_FLAGS="$cb" run_step cmdbuf_decode_on 150 python3 "${dec[@]}" --json "$OUT/cmdbuf_on.json"
+        run_step cmdbuf_tokens 30 python3 -c "import json,sys; a,b=(json.load(open(sys.argv[i]))['tokens'] for i in (1,2)); print('command buffers: tokens identical' if a==b else 'command buffers: TOKENS DIFFER'); sys.exit(a!=b)" "$OUT/cmdbuf_off.json" "$OUT/cmdbuf_on.json"
+        e2e_args=(--concurrency 256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
+        run_step cmdbuf_e2e_off 200 python3 -m bench.e2e_decode "${e2e_args[@]}" --output bench/results/e2e_decode-cmdbuf-off-gpu.json
+        XLA_FLAGS="$cb" run_step cmdbuf_e2e_on 200 python3 -m bench.e2e_decode "${e2e_args[@]}" --output bench/results/e2e_decode-cmdbuf-on-gpu.json ;;
       spec_gpu) run_step spec_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine_speculative.py ;;
       decode_spec) run_step decode_spec 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --gpu-blocks 500 --prefill-bucket 4096 --speculative-tokens 2 --check ;;
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -441,10 +442,16 @@ def print_summary(engines: list[Engine]) -> None:
 
 
 def write_json(args: argparse.Namespace, engines: list[Engine], same: bool | None) -> None:
-    """--json: the flags, each mode's summary (`Engine.summary`) and --check's verdict."""
+    """--json: the flags, each mode's summary (`Engine.summary`), its generated tokens per
+    request (to compare runs of other processes, e.g. under other XLA flags) and --check's
+    verdict."""
     record = {"args": vars(args), "backend": jax.default_backend(),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "summaries": [e.summary() for e in engines], "tokens_identical": same}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "summaries": [e.summary() for e in engines],
+              "tokens": [{str(rid): list(r.generated) for rid, r in e.finished.items()}
+                         for e in engines],
+              "tokens_identical": same}
     with open(args.json, "w") as f:
         json.dump(record, f, indent=2, default=str)
         f.write("\n")

@@ -76,6 +76,31 @@ def test_e2e_benchmark_compares_kv_row_formats(tmp_path):
     print(f"\nrows/step bf16 {hs16['rows_h2d_per_step']:.1f} fp8 {hs8['rows_h2d_per_step']:.1f}")
 
 
+def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
+    from bench import e2e_decode
+
+    out = tmp_path / "e2e.json"
+    rc = e2e_decode.main([
+        "--config", "tiny", "--num-layers", "4", "--indexer", "--context", "256",
+        "--gen-budget", "64", "--block-size", "16", "--concurrency", "6",
+        "--modes", "hisparse,all-resident", "--warmup-steps", "2", "--measure-steps", "4",
+        "--rounds", "2", "--output", str(out), "--no-plot"])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["num_layers"] == 4
+    assert record["config"]["topk_source"].startswith("the model's indexer")
+    runs = {r["mode"]: r for r in record["results"]}
+    assert set(runs) == {"hisparse", "all-resident"}  # no turnover sweep with the indexer
+    hs = runs["hisparse"]
+    assert "skipped" not in hs and hs["decode_tokens_per_s"] > 0
+    # The indexer's picks over 256 random keys move: rows come from host.
+    assert hs["rows_h2d_per_step"] > 0 and hs["hit_rate"] is not None
+    with pytest.raises(SystemExit, match="exclude each other"):
+        e2e_decode.main(["--indexer", "--trace", "x.npz", "--no-plot"])
+    with pytest.raises(SystemExit, match="--num-layers must be >= 1"):
+        e2e_decode.main(["--num-layers", "0", "--no-plot"])
+
+
 def test_e2e_plot_draws_both_panels(tmp_path):
     pytest.importorskip("matplotlib")  # the optional `bench` extra
     from bench import e2e_decode

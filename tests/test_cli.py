@@ -299,6 +299,9 @@ def test_json_record_of_a_checked_run_feeds_the_startup_benchmark(tmp_path, caps
     record = json.loads(path.read_text())
     assert record["tokens_identical"] is True
     assert [s["mode"] for s in record["summaries"]] == ["hisparse", "all-resident"]
+    hs, ar = record["tokens"]
+    assert hs == ar and len(hs) == record["args"]["requests"]
+    assert all(len(t) == record["args"]["gen_len"] for t in hs.values())
     figures = startup.start_figures(record, wall=1.5)
     assert figures["process_wall_s"] == 1.5 and figures["tokens_identical"] is True
     for mode in ("hisparse", "all-resident"):

@@ -122,9 +122,35 @@ def test_external_topk_modes_decode_the_same_tokens():
     tr_engine.close()
 
 
+def test_synthetic_prefill_with_the_models_indexer():
+    # Without a top-k source, synthetic prefill writes unit-normal index keys for the prompt
+    # rows (the padding rows stay zero) and the model's own indexer selects from them; the
+    # host tier under pressure decodes what all-resident decodes.
+    base_engine, base = _run(synthetic_prefill=True, collect_attention=False,
+                             all_resident=True)
+    hs_engine, hs = _run(synthetic_prefill=True, collect_attention=False, num_gpu_blocks=44)
+    for a, b in zip(base, hs, strict=True):
+        assert a.generated == b.generated, a.request_id
+    s = hs_engine.summary()
+    assert s["lost_pages"] > 0 and hs_engine.metrics.hot_misses > 0, s
+    # A fresh engine, one request, before any decode step: its prompt rows carry keys.
+    engine = Engine(tiny_model(), EngineConfig(max_seats=2, max_model_len=MAX_LEN, block_size=4,
+                                               prefill_bucket=MAX_LEN, synthetic_prefill=True,
+                                               all_resident=True))
+    engine.add_request(PROMPTS[1], max_new_tokens=1)
+    engine.step()
+    (req,) = engine.finished.values()
+    keys = [np.asarray(k, np.float32)[req.seat] for k in engine.runner.cache.index_keys]
+    n = len(PROMPTS[1])
+    for k in keys:
+        assert np.all(np.abs(k[:n]).sum(-1) > 0) and not np.any(k[n:]), "prompt rows only"
+        assert 0.5 < k[:n].std() < 2.0
+    assert not np.array_equal(keys[0][:n], keys[1][:n]), "each index group draws its own keys"
+    for e in (base_engine, hs_engine, engine):
+        e.close()
+
+
 def test_engine_config_validation():
-    with pytest.raises(ValueError, match="synthetic_prefill requires topk_source"):
-        Engine(tiny_model(), EngineConfig(synthetic_prefill=True))
     with pytest.raises(ValueError, match="exclude each other"):
         Engine(tiny_model(), EngineConfig(all_resident=True, naive_offload=True))
     with pytest.raises(ValueError, match="TopKSource"):

@@ -162,7 +162,6 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
     (dict(compilation_cache=None), "EngineConfig.compilation_cache must be a bool"),
     (dict(all_resident=True, naive_offload=True), "exclude each other"),
     (dict(topk_source=object()), "EngineConfig.topk_source must be a"),
-    (dict(synthetic_prefill=True), "EngineConfig.synthetic_prefill requires topk_source"),
     (dict(ops_backend="bogus"), r"EngineConfig.ops_backend must be one of \('reference'"),
     (dict(attention_backend=3), "EngineConfig.attention_backend must be a str or None"),
     (dict(ops_backend="mosaic_gpu"), "EngineConfig.ops_backend='mosaic_gpu' has no "

@@ -75,8 +75,9 @@ class EngineConfig:
         top_k rows, emptied before each step; no fast path).
       topk_source: take the decode top-k from this `TopKSource` instead of the indexer.
       synthetic_prefill: write deterministic random KV rows for the prompt instead of running
-        the model over it (requires `topk_source`: the indexer would have no keys); the first
-        generated token is the prompt's last token.
+        the model over it (without `topk_source`, unit-normal index keys too, for the
+        model's indexer to select from); the first generated token is the prompt's last
+        token.
       prefill_bucket: prompts are padded to a multiple of this (bounds prefill compiles).
       attention_backend / ops_backend: `sparse_mla_decode` / data-plane op backends (None:
         the GPU kernels on a GPU, the references elsewhere).
@@ -178,9 +179,6 @@ class EngineConfig:
         if self.topk_source is not None and not isinstance(self.topk_source, TopKSource):
             raise ValueError("EngineConfig.topk_source must be a hisparse_jax.topk_sources."
                              f"TopKSource or None, got {type(self.topk_source).__name__}")
-        if self.synthetic_prefill and self.topk_source is None:
-            raise ValueError("EngineConfig.synthetic_prefill requires topk_source (the indexer "
-                             "has no keys for a prompt that was not run through the model)")
         k = self.num_speculative_tokens
         if not is_int(k) or not 0 <= k < self.block_size:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be an int in [0, "

@@ -688,22 +688,34 @@ class Runner:
                        **self._placed_outputs())
 
     def _jit_synthetic_prefill(self) -> Callable[..., Any]:
-        num_layers, width = self.model_config.num_layers, self.model_config.row_width
+        mc = self.model_config
+        num_layers, width = mc.num_layers, mc.row_width
         base = jax.random.PRNGKey(self.config.seed)
+        with_keys = self.topk_source is None  # the model's indexer selects: give it keys
+
+        def random_rows(key: jax.Array, pos: jax.Array, dim: int) -> jax.Array:
+            keys = jax.vmap(lambda p: jax.random.fold_in(key, p))(pos)
+            return jax.vmap(lambda k: jax.random.normal(k, (dim,)))(keys)
 
         def prefill(params, cache, tokens, length, state_row, rows_at, temperature, key,
                     seed, token_index, request_index):
-            del params, state_row, temperature, key, seed, token_index
+            del params, temperature, key, seed, token_index
             T = tokens.shape[0]
             req_key = jax.random.fold_in(base, request_index)
             pos = jnp.arange(T, dtype=jnp.int32)
             kv = cache.kv
             for layer in range(num_layers):
-                layer_key = jax.random.fold_in(req_key, layer)
-                keys = jax.vmap(lambda p, k=layer_key: jax.random.fold_in(k, p))(pos)
-                rows = jax.vmap(lambda k: jax.random.normal(k, (width,)))(keys)
-                kv = kv.write_rows(layer, rows_at, rows)
-            return tokens[length - 1], dataclasses.replace(cache, kv=kv), {}
+                kv = kv.write_rows(layer, rows_at,
+                                   random_rows(jax.random.fold_in(req_key, layer), pos, width))
+            index_keys = list(cache.index_keys)
+            if with_keys:  # unit-normal index keys (the indexer's keys are layer-normed)
+                cols = jnp.where(pos < length, pos, index_keys[0].shape[1])  # padding: dropped
+                for g in range(len(index_keys)):
+                    rows = random_rows(jax.random.fold_in(req_key, num_layers + g), pos,
+                                       mc.index_dim)
+                    index_keys[g] = index_keys[g].at[state_row, cols].set(
+                        rows.astype(index_keys[g].dtype), mode="drop")
+            return tokens[length - 1], DecodeCache(kv, tuple(index_keys)), {}
 
         return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",),
                        **self._placed_outputs())

@@ -257,6 +257,27 @@ def test_async_a_failing_request_or_step_leaves_the_others_exact(where, monkeypa
     assert got == want
 
 
+def test_async_token_history_gets_the_real_ids():
+    """The coordinator counts a token still on the device with a placeholder id; once its
+    step is collected the history holds the real ids (prompt + generated so far)."""
+    engine = engine_of("hisparse", True)
+    manager = engine.scheduler.manager
+    rid = engine.add_request(_prompt(3, 6), max_new_tokens=8, request_id=("hist", next(_ids)))
+    engine.step()  # the prefill: its token reaches the history with the next pass
+    for _ in range(4):
+        engine.step()
+        req = engine.running[rid]
+        assert list(manager._requests[rid].token_ids) == [*req.prompt, *req.generated]
+    assert engine._flight is not None  # step t + 1 in flight, its fed token set already
+    with pytest.raises(ValueError, match=r"set_token_ids\[0\]: index must be an int in"):
+        manager.set_token_ids([(rid, 10 ** 6, 1)])
+    with pytest.raises(ValueError, match="is not admitted"):
+        manager.set_token_ids([("nope", 0, 1)])
+    engine.run()
+    assert engine.finished[rid].finish_reason == "length"
+    assert_idle(engine)
+
+
 def test_async_run_and_close_drain_the_step_in_flight():
     engine = Engine(tiny_model(), EngineConfig(**SIZES, all_resident=True,
                                                async_scheduling=True))

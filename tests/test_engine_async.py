@@ -279,8 +279,11 @@ def test_async_token_history_gets_the_real_ids():
 
 
 def test_async_run_and_close_drain_the_step_in_flight():
-    engine = Engine(tiny_model(), EngineConfig(**SIZES, all_resident=True,
+    """`run(max_steps=...)` and `close` collect the step in flight; `warmup` compiles the
+    async decode step (fed by device tokens or not, one trace), so no served step compiles."""
+    engine = Engine(tiny_model(), EngineConfig(**SIZES, all_resident=True, max_traces=1,
                                                async_scheduling=True))
+    engine.warmup()
     engine.add_request(_prompt(7, 5), max_new_tokens=6, request_id="a")
     engine.run(max_steps=3)
     assert engine._flight is None
@@ -289,6 +292,7 @@ def test_async_run_and_close_drain_the_step_in_flight():
     assert engine._flight is not None
     engine.close()
     assert engine._flight is None and len(engine.running["a"].generated) == 4
+    assert engine.trace_counts["decode_fast"] == 1 and engine.metrics.compile_seconds == 0
 
 
 @pytest.mark.parametrize("kwargs, match", [

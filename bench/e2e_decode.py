@@ -117,7 +117,8 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         num_gpu_blocks=None if mode == "all-resident" else sizes["gpu_blocks"],
         all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
         topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
-        kv_format=kv_format, **(extra or {}))
+        kv_format=kv_format,
+        async_scheduling=getattr(args, "async_scheduling", False), **(extra or {}))
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
     rng = np.random.default_rng(0)
@@ -204,6 +205,7 @@ class Window:
         s = e.summary()
         return {
             "kv_format": e.config.kv_format,
+            "async_scheduling": e.config.async_scheduling,
             "row_bytes": e.row_bytes,
             "seats": e.config.max_seats,
             "decode_tokens_per_s": float(np.sum(self.tokens) / t.sum()),
@@ -457,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="EngineConfig.async_scheduling: plan and dispatch step t + 1 while "
+                        "step t runs on the device")
     p.add_argument("--hot-size", type=int, default=None, help="default 2 * top_k")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU KV budget, blocks per layer (default: sized for max concurrency)")
@@ -509,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
               "prefill": "synthetic (random KV rows written straight into the caches)",
               "warmup_steps": args.warmup_steps, "measure_steps": args.measure_steps,
               "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0],
-              "kv_formats": formats, **sizes}
+              "kv_formats": formats, "async_scheduling": args.async_scheduling, **sizes}
     results: list[dict[str, Any]] = []
     print(f"[e2e] {cfg.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
     # One pinned pool per row format for every host-tier engine (they run one at a time):

@@ -197,12 +197,12 @@ class PhaseTimer:
             setattr(obj, method, self._wrap(method, getattr(obj, method)))
         collect = engine.runner.collect_decode
 
-        def collect_with_wait(pending: Any) -> Any:
+        def collect_with_wait(pending: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             jax.block_until_ready(pending.tokens)
             if self.active:
                 self.current["wait"] += time.perf_counter() - t0
-            return collect(pending)
+            return collect(pending, **kwargs)
 
         engine.runner.collect_decode = collect_with_wait
 
@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=65536)
     p.add_argument("--gen-budget", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="EngineConfig.async_scheduling (step t + 1 dispatched before step t "
+                        "is collected)")
     p.add_argument("--hot-size", type=int, default=None)
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "profile_step", "mode": args.mode, "concurrency": args.concurrency,
             "running": len(engine.running), "seats": engine.config.max_seats,
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
-                       "turnover": args.turnover, "prefill": "synthetic", **sizes},
+                       "turnover": args.turnover, "prefill": "synthetic",
+                       "async_scheduling": args.async_scheduling, **sizes},
             "ramp": ramp, "host": timer.result(),
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device,

@@ -16,6 +16,7 @@ the engine refuses, prints one line naming the flag and the rule and exits with 
     python3 examples/decode.py --all-resident        # the baseline
     python3 examples/decode.py --config tiny576 --kv-format fp8_ds_mla --check   # fp8 rows
     python3 examples/decode.py --speculative-tokens 2 --check   # MTP drafts, 3 rows per step
+    python3 examples/decode.py --async-scheduling --check   # step t + 1 dispatched during t
     python3 examples/decode.py --config dsv32-2l --requests 4 --prompt-len 3072 \\
         --gen-len 32 --block-size 64 --max-model-len 4096 --gpu-pool-fraction 0.5   # GPU
 """
@@ -208,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --speculative-tokens: accept each draft with probability R "
                         "instead (a benchmark device: the tokens are then not the model's)")
     p.add_argument("--all-resident", action="store_true", help="no host tier (baseline)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="EngineConfig.async_scheduling: the host plans and dispatches step t + 1 "
+                        "while step t runs (--check's all-resident reference stays "
+                        "synchronous); excludes --speculative-tokens")
     p.add_argument("--check", action="store_true",
                    help="also run all-resident and require identical tokens (greedy, or "
                         "sampled under --seed with --temperature > 0)")
@@ -249,6 +254,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if k >= args.block_size:
         p.error(f"--speculative-tokens {k} must be < --block-size {args.block_size} (a step's "
                 f"draft rows open at most one page)")
+    if args.async_scheduling and k:
+        p.error(f"--async-scheduling needs --speculative-tokens 0 (got {k}): a step's "
+                f"accepted drafts are known only when it is collected")
     if args.acceptance_rate is not None:
         if not k:
             p.error("--acceptance-rate needs --speculative-tokens >= 1")
@@ -293,7 +301,8 @@ def model_config(args: argparse.Namespace) -> nn.ModelConfig:
 def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
                   all_resident: bool, reference: bool = False) -> EngineConfig:
     """The EngineConfig of one mode (sizes derived from the flags; builds nothing);
-    `reference`: the --check engine, which prefills in one shot."""
+    `reference`: the --check engine, which prefills in one shot (and schedules
+    synchronously)."""
     B = args.block_size
     pages = cdiv(args.max_model_len, B)
     k = args.speculative_tokens
@@ -315,7 +324,8 @@ def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
                   all_resident=all_resident, prefill_bucket=args.prefill_bucket,
                   seed=args.seed, kv_format=args.kv_format, num_speculative_tokens=k,
                   prefill_chunk_size=(None if reference and not args.check_chunked
-                                      else args.prefill_chunk_size))
+                                      else args.prefill_chunk_size),
+                  async_scheduling=args.async_scheduling and not reference)
     if k and args.acceptance_rate is not None:
         kwargs["draft_source"] = AcceptanceRateDraft(args.acceptance_rate)
     kwargs.update(compile_cache_kwargs(args))

@@ -115,6 +115,12 @@ class EngineConfig:
       max_prefill_tokens_per_step: prompt tokens prefilled per step, at most, over every
         request (None: no limit; needs prefill_chunk_size): chunks of requests already
         prefilling come first, then admissions, each chunk cut to what the budget leaves.
+      async_scheduling: the host plans and dispatches decode step t + 1 while step t runs on
+        the device (`Engine.step`): step t's sampled tokens stay on the device and feed step
+        t + 1; stop conditions are learned a step late (a request's extra row of the next
+        step is dropped, never emitted); on anything unusual the engine drains to a
+        synchronous step. Same tokens as the synchronous engine. Not with speculation
+        (num_speculative_tokens 0) nor in `MeshEngine`.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -143,6 +149,7 @@ class EngineConfig:
     union_resolution: bool = True
     prefill_chunk_size: int | None = None
     max_prefill_tokens_per_step: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -166,7 +173,7 @@ class EngineConfig:
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
-                     "compilation_cache", "union_resolution"):
+                     "compilation_cache", "union_resolution", "async_scheduling"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -184,6 +191,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be an int in [0, "
                              f"block_size={self.block_size}) (a step's draft rows open at most "
                              f"one page), got {k!r}")
+        if self.async_scheduling and k:
+            raise ValueError("EngineConfig.async_scheduling needs num_speculative_tokens=0 (a "
+                             "step's accepted drafts are known only when it is collected), got "
+                             f"num_speculative_tokens={k}")
         if self.draft_source is not None:
             if not isinstance(self.draft_source, DraftSource):
                 raise ValueError("EngineConfig.draft_source must be a hisparse_jax."

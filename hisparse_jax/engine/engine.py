@@ -47,6 +47,12 @@ keeps serving the others and loses none of their work):
     and every running request is preempted. Then the exception propagates (a prefill that
     lost the device arrays only fails its own request).
 
+Asynchronous scheduling (`EngineConfig.async_scheduling`, `_step_async`): each `step()`
+schedules and dispatches decode step t + 1 (fed step t's sampled tokens on the device) before
+it collects step t; a stop token is learned a step late and the request's extra row dropped;
+an exception, or a pass with nothing to schedule, drains the step in flight first
+(`docs/semantics.md`, asynchronous scheduling). `run`, `drain` and `close` collect it.
+
 Start-up: `EngineConfig.compilation_cache` turns on jax's persistent compilation cache
 (`compile_cache.py`); `warmup()` compiles every shape bucket a run can reach, so that no
 served step compiles.
@@ -92,6 +98,28 @@ class _OpenStep:
     spills_handed: bool = False  # the worker has the plan's spills
     culprit: Request | None = None  # a request whose prefill lost the device arrays
     culprit_error: str = ""
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A dispatched decode step whose tokens are not collected yet (async scheduling).
+
+    Attributes:
+      pending: the runner's handle (its device tokens feed the next step).
+      st: how far its engine step got (everything ran but the collection).
+      decode: its requests whose tokens are not recorded yet (`Scheduler.collected`).
+      fed: requests of it whose fed token was the previous step's device token, with that
+        token's index in `generated` (the manager holds a placeholder for it until then).
+    """
+
+    pending: PendingDecode
+    st: _OpenStep
+    decode: list[Request]
+    fed: list[tuple[Request, int]]
+
+    @property
+    def ids(self) -> frozenset[Hashable]:
+        return frozenset(req.request_id for req in self.decode)
 
 
 class _PrefillLostDevice(Exception):
@@ -209,9 +237,12 @@ def _raise_notes(notes: list[str], error: BaseException | None) -> None:
 
 
 def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
-                  result: DecodeResult) -> None:
+                  result: DecodeResult, batch: list[Request] | None = None) -> None:
     """Hands each request of a collected decode step (in batch order) its tokens
-    (`Scheduler.record`, up to a stop), its next drafts and its acceptance counts.
+    (`Scheduler.record`, up to a stop), its next drafts and its acceptance counts. A request
+    that finished since the step was dispatched (async scheduling: a stop learned a step
+    late, a cancel, a failed restore) gets nothing: its row is dropped. `batch`: the list
+    the step's requests are collected from (`Scheduler.collected`).
 
     The result's arrays become Python lists once (indexing numpy per token cost more than the
     recording itself at hundreds of requests). A function of its own, so that
@@ -221,7 +252,9 @@ def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
     drafts = result.drafts.tolist() if result.drafts is not None else None
     attention = result.attention
     for req in reqs:
-        scheduler.collected(req)
+        scheduler.collected(req, batch)
+        if req.finish_reason is not None:
+            continue
         seat = req.seat
         count = counts[seat]
         if req.step_drafts:
@@ -249,6 +282,11 @@ class Engine:
         outputs = engine.run()            # {request_id: Request}
         print(engine.summary())
     """
+
+    # Async scheduling: the decode step in flight, and when the last one was collected
+    # (class defaults: `MeshEngine` builds its own state and never has one in flight).
+    _flight: _Flight | None = None
+    _collected_at: float | None = None
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
                  host_pool: Any = None) -> None:
@@ -470,6 +508,7 @@ class Engine:
             n += 1
             if on_step is not None:
                 on_step(self)
+        self.drain()
         self.scheduler.deliver(wait=True)
         self.metrics.wall_seconds += time.perf_counter() - t0
         return dict(self.finished)
@@ -485,18 +524,164 @@ class Engine:
         the worker reports run on the host, and the sampled tokens are waited for last.
         After an exception the engine is consistent again (module docstring) and the next
         `step()` works.
+
+        With `EngineConfig.async_scheduling` the decode step is left in flight: a call
+        schedules and dispatches step t + 1 (fed step t's tokens on the device), runs its
+        prefills, then collects step t (`_step_async`); the requests it returns are those
+        that finished meanwhile (a stop token of step t among them).
         """
         self.scheduler.newly_finished = []
-        open_step = self._open_step()
-        try:
-            self._step(open_step)
-        except _PrefillLostDevice:
-            self._recover(open_step, None)
-        except BaseException as e:
-            self._recover(open_step, e)
-            raise
+        if self.config.async_scheduling:
+            self._step_async()
+        else:
+            open_step = self._open_step()
+            try:
+                self._step(open_step)
+            except _PrefillLostDevice:
+                self._recover(open_step, None)
+            except BaseException as e:
+                self._recover(open_step, e)
+                raise
         finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
         return finished
+
+    def drain(self) -> list[Request]:
+        """Collects the decode step in flight (async scheduling; nothing otherwise), so that
+        every request's tokens are recorded; returns the requests that finished in it. `run`
+        and `close` drain; after an exception the engine is recovered as after `step`."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        self.scheduler.newly_finished = []
+        self.metrics.drains += 1
+        self._land(flight)
+        finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
+        return finished
+
+    def _step_async(self) -> None:
+        """One asynchronous engine step: launches step t + 1 while step t (`_flight`) runs on
+        the device, then collects step t.
+
+        The rule: step t's sampled tokens stay on the device and feed its requests' rows of
+        step t + 1 (`Runner.dispatch_decode`'s `prev`); a row whose token the host knows (the
+        first decode after a prefill, a replayed token, a request not in step t) takes the
+        host's. A request that step t finishes by length is not scheduled again (known on
+        the host); one whose step t samples a stop token was (learned a step late): its row
+        of step t + 1 is dropped (`record_decode`), never emitted. A pass that schedules
+        nothing while step t is in flight preempts and fails no one: step t is collected and
+        the next call schedules as the synchronous engine does (a drain). On an exception
+        the engine drains too: step t is collected first (its tokens kept), then step t + 1
+        is recovered as `step` recovers a failed step; a failed collection recovers step t
+        and the step launched after it."""
+        prev, self._flight = self._flight, None
+        st = self._open_step()
+        try:
+            flight = self._launch(st, prev)
+        except BaseException as e:
+            late = self._land_after_failure(prev, e)
+            sched = self.scheduler  # requests finished by step t's tokens: not recovered
+            sched.pass_decode = [r for r in sched.pass_decode
+                                 if sched.running.get(r.request_id) is r]
+            if isinstance(e, _PrefillLostDevice):
+                self._recover(st, late)
+                if late is not None:
+                    raise late from None
+                return
+            self._recover(st, e)
+            raise
+        self._flight = flight
+        if prev is None:
+            return
+        if flight is None:
+            self.metrics.drains += 1
+        self._land(prev, flight)
+
+    def _launch(self, st: _OpenStep, prev: _Flight | None) -> _Flight | None:
+        """`_step` up to the collection, with `prev` (the decode step in flight, if any)
+        feeding the new decode step; returns the new step in flight (None: no decode)."""
+        sched, runner = self.scheduler, self.runner
+        ahead = prev.ids if prev is not None else frozenset()
+        scheduled = sched.schedule(ahead)
+        if scheduled is None:
+            return None
+        self.metrics.steps += 1
+        plan = scheduled.plan
+        st.plan = plan
+        runner.apply_plan_state(plan)
+        st.state_applied = True
+        runner.restore(plan)
+        st.restores_handed = True
+        pending, fed = None, []
+        if scheduled.decode:
+            decode = scheduled.decode
+            here = frozenset(req.request_id for req in decode if req.request_id in ahead)
+            fed = [(req, req.live) for req in decode
+                   if req.request_id in here and not req.replaying]
+            pending = runner.dispatch_decode(decode, scheduled.residency,
+                                             prev=prev.pending if here else None, ahead=here)
+        for req in [*scheduled.admitted, *scheduled.chunks]:
+            self._prefill(req, st, sched, runner)
+        runner.after_forward(plan)
+        st.spills_handed = True
+        sched.deliver()
+        if pending is None:
+            return None
+        flight = _Flight(pending, st, sched.pass_decode, fed)
+        sched.pass_decode = []  # the step's batch is the flight's now
+        return flight
+
+    def _land(self, flight: _Flight, newer: _Flight | None = None) -> None:
+        """Collects the decode step `flight` and sets the real ids of the tokens `newer` (the
+        step launched after it) was fed on the device (`Coordinator.set_token_ids`). When the
+        collection fails, `flight` and `newer` are recovered (`_recover_flights`) and the
+        exception propagates."""
+        try:
+            self._collect(flight.pending, flight.decode)
+        except BaseException as e:
+            self._flight = None
+            self._recover_flights([flight, *([newer] if newer is not None else [])], e)
+            raise
+        if newer is not None and newer.fed:
+            self.scheduler.manager.set_token_ids(
+                [(req.request_id, len(req.prompt) + i, req.generated[i])
+                 for req, i in newer.fed if req.finish_reason is None])
+
+    def _land_after_failure(self, prev: _Flight | None, error: BaseException
+                            ) -> BaseException | None:
+        """Collects `prev` after the next step's launch raised `error`; when that fails too,
+        returns its exception (recovered already; noted on `error`)."""
+        if prev is None:
+            return None
+        self.metrics.drains += 1
+        try:
+            self._land(prev)
+        except BaseException as late:  # noqa: BLE001 - recovered; the caller re-raises
+            error.add_note(f"Engine: collecting the decode step in flight failed too: "
+                           f"{type(late).__name__}: {late}")
+            return late
+        return None
+
+    def _recover_flights(self, flights: list[_Flight], error: BaseException) -> None:
+        """Recovers decode steps in flight whose collection failed (`recover_parts` over
+        their requests not collected yet; their steps ran everything else); the open pass's
+        lists are kept, less the requests that no longer run. Notes go on `error`."""
+        sched = self.scheduler
+        saved = sched.pass_decode, sched.pass_admitted, sched.pass_chunks
+        batch, seen = [], set()
+        for flight in flights:
+            for req in flight.decode:
+                if sched.running.get(req.request_id) is req and id(req) not in seen:
+                    seen.add(id(req))
+                    batch.append(req)
+        sched.pass_decode, sched.pass_admitted, sched.pass_chunks = batch, [], []
+        try:
+            notes = recover_parts(sched, self.runner, self.metrics, flights[-1].st)
+        finally:
+            decode, admitted, chunks = saved
+            sched.pass_decode = [r for r in decode if sched.running.get(r.request_id) is r]
+            sched.pass_admitted = admitted  # not running yet: recovered with their pass
+            sched.pass_chunks = [r for r in chunks if sched.running.get(r.request_id) is r]
+        _raise_notes(notes, error)
 
     def _open_step(self) -> Any:
         """The record of how far a step got (`_OpenStep`), which `_recover` reads."""
@@ -552,9 +737,16 @@ class Engine:
             req.attention.append(attention)
         scheduler.record(req, token)
 
-    def _collect(self, pending: PendingDecode) -> None:
-        result = self.runner.collect_decode(pending)
-        reqs = pending.requests
+    def _collect(self, pending: PendingDecode, batch: list[Request] | None = None) -> None:
+        """Collects a decode step and records its tokens (`record_decode`; `batch`: the list
+        its requests are collected from, default the open pass's)."""
+        if self.config.async_scheduling:  # steps overlap: time from the last collection
+            result = self.runner.collect_decode(pending, since=self._collected_at)
+            self._collected_at = time.perf_counter()
+        else:
+            result = self.runner.collect_decode(pending)
+        reqs = [req for req in pending.requests if req.finish_reason is None]
+        self.metrics.dropped_rows += len(pending.requests) - len(reqs)
         emitted = int(result.counts[[req.seat for req in reqs]].sum())
         if self._clock.account(variant_name(pending.residency), result.seconds,
                                "decode_seconds", compiled=result.compiled):
@@ -565,7 +757,7 @@ class Engine:
                                    row_bytes=self.row_bytes)
         self.metrics.decode_request_steps += len(reqs)
         self.metrics.decode_emitted += emitted
-        record_decode(self.scheduler, self.metrics, reqs, result)
+        record_decode(self.scheduler, self.metrics, pending.requests, result, batch)
 
     def _recover(self, st: _OpenStep, error: BaseException | None) -> None:
         """Makes the engine consistent after a step failed part-way (module docstring).
@@ -604,7 +796,11 @@ class Engine:
                              self.model_config.num_layers))
 
     def close(self) -> None:
-        """Waits for every copy into the host pool; closes the pool if the engine made it."""
-        self.scheduler.deliver(wait=True)  # no copy into the pool outlives the engine
+        """Collects the decode step in flight (async scheduling), waits for every copy into
+        the host pool; closes the pool if the engine made it."""
+        try:
+            self.drain()
+        finally:
+            self.scheduler.deliver(wait=True)  # no copy into the pool outlives the engine
         if self._owns_pool:
             self.host_pool.close()

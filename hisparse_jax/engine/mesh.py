@@ -296,6 +296,9 @@ class MeshEngine(Engine):
         if config.prefill_chunk_size is not None:
             raise ValueError("MeshEngine: EngineConfig.prefill_chunk_size must be None (the "
                              "mesh engine prefills in one shot; use Engine)")
+        if config.async_scheduling:
+            raise ValueError("MeshEngine: EngineConfig.async_scheduling must be False (the "
+                             "mesh engine schedules synchronously; use Engine)")
         self.model_config = mc = model.cfg
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")

@@ -72,6 +72,8 @@ class Metrics:
     accepted_tokens: int = 0  # of which accepted
     decode_request_steps: int = 0  # (request, decode step) pairs
     decode_emitted: int = 0  # tokens those steps emitted (1 + accepted drafts each)
+    dropped_rows: int = 0  # async scheduling: decode rows of requests finished meanwhile
+    drains: int = 0  # async scheduling: steps collected with no next step in flight
 
     def record_decode(self, *, fast: bool, hits: int, misses: int, index_group_size: int,
                       row_bytes: int) -> None:
@@ -165,6 +167,8 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         else float("nan"),
         "tokens_per_request_step": m.decode_emitted / m.decode_request_steps
         if m.decode_request_steps else 0.0,
+        "dropped_rows": m.dropped_rows,
+        "drains": m.drains,
         "device_resets": m.device_resets,
         "device_bytes": device_bytes,
         "device_allocator_bytes": device_allocator_bytes,

@@ -116,6 +116,10 @@ class StaticResidency:
             self.schedule(rid, new_token_ids=tokens)
         return [None] * len(request_ids)
 
+    def set_token_ids(self, updates: Sequence[tuple[Hashable, int, int]]) -> None:
+        """`Coordinator.set_token_ids`: nothing to set (no token history is kept)."""
+        del updates
+
     def build_plan(self) -> StepPlan:
         writes = []
         for rid in self._pass:

@@ -87,7 +87,8 @@ def _int32_bits(value: int) -> int:
 
 
 def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
-                       offset: int = 0) -> None:
+                       offset: int = 0, ahead: frozenset[Hashable] = frozenset(),
+                       prev_index: np.ndarray | None = None) -> None:
     """Writes the decode inputs of `reqs` into their seats' rows of `inputs` (tokens,
     positions, state_rows, temperature, seeds, steps, as `Runner._idle_inputs` makes them):
     each request's last token, then its `step_drafts` at the next positions (tokens and
@@ -97,15 +98,37 @@ def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
     One numpy assignment per array for the whole batch: element by element, the filling
     cost several microseconds a request, on the host's critical path between model steps.
     A function of its own, so that `bench/host_step.py` times it without a device.
+
+    Asynchronous scheduling (`EngineConfig.async_scheduling`): `ahead` names the requests
+    whose previous decode step is still in flight (its token not recorded yet: they are one
+    token further than `live` says). Their token is the previous step's device token unless
+    it is known on the host (a replayed one): those rows get their seat in `prev_index`
+    (int32[S], -1: the host token) and token 0 here.
     """
     tokens, positions, state_rows, temperature, seeds, steps = inputs
     S = len(state_rows)
     token_rows, position_rows = tokens.reshape(S, -1), positions.reshape(S, -1)
-    rows = np.array([(req.seat, req.live, len(req.prompt), req.generated[req.live - 1],
-                      req.sampling_seed) for req in reqs], np.int64).reshape(-1, 5)
+    if ahead:
+        # -1: the token is the in-flight step's, on the device only.
+        rows = np.array([(req.seat, live, len(req.prompt),
+                          req.generated[live - 1] if live <= len(req.generated) else -1,
+                          req.sampling_seed)
+                         for req in reqs
+                         for live in (req.live + (req.request_id in ahead),)],
+                        np.int64).reshape(-1, 5)
+    else:
+        rows = np.array([(req.seat, req.live, len(req.prompt), req.generated[req.live - 1],
+                          req.sampling_seed) for req in reqs], np.int64).reshape(-1, 5)
     seats, lives = rows[:, 0], rows[:, 1]
     at = seats + offset
     token_rows[at, 0] = rows[:, 3]  # its last live token
+    if ahead:
+        on_device = rows[:, 3] < 0
+        if on_device.any() and prev_index is None:
+            raise ValueError("fill_decode_inputs: rows fed by the in-flight step's tokens "
+                             "need prev_index")
+        token_rows[at[on_device], 0] = 0
+        prev_index[at[on_device]] = seats[on_device]
     position_rows[at, 0] = rows[:, 2] + lives - 1
     state_rows[at] = seats
     temperature[at] = [req.temperature for req in reqs]
@@ -140,7 +163,7 @@ class PendingDecode:
     requests: list[Request]
     residency: Residency
     started: float  # perf_counter() at dispatch
-    tokens: jax.Array  # int32[max_seats]
+    tokens: jax.Array  # int32[max_seats] (by seat; async scheduling feeds them back)
     aux: dict[str, jax.Array]
     compiles: int  # CompileWatch.count before the dispatch
 
@@ -197,9 +220,12 @@ class Runner:
         if ec.topk_source is not None:
             self.topk_source = ec.topk_source.bind(num_groups=mc.num_groups, top_k=mc.top_k)
         self.num_speculative_tokens = ec.num_speculative_tokens
+        # Async scheduling: the decode step takes the previous step's device tokens.
+        self.feeds_back = ec.async_scheduling
         self.draft = None if ec.draft is None else ec.draft.bind(vocab_size=mc.vocab_size)
         self._init_device_state()
         self.sample_key = self._put(base_key(ec.seed))
+        self._no_prev_tokens = self._put(np.zeros(cfg.max_num_reqs, np.int32))
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.warmed: dict[str, list[Any]] = {}  # the buckets `warmup` compiled, by kind
         # The jitted steps, built once per variant: {"decode_fast", "decode_hot", "prefill" or
@@ -305,36 +331,61 @@ class Runner:
                 np.full(S, -1, np.int32), np.zeros(S, np.float32), np.zeros(S, np.int32),
                 np.zeros(S, np.int32))
 
-    def dispatch_decode(self, reqs: list[Request], residency: Residency) -> PendingDecode:
+    def dispatch_decode(self, reqs: list[Request], residency: Residency, *,
+                        prev: PendingDecode | None = None,
+                        ahead: frozenset[Hashable] = frozenset()) -> PendingDecode:
         """Launches the decode step variant of `residency` for `reqs` (asynchronously). With
         speculation each request's row holds its last token and its `step_drafts`, at
-        consecutive positions (-1 past its drafts: no row)."""
+        consecutive positions (-1 past its drafts: no row).
+
+        Async scheduling (`feeds_back`): `prev` is the decode step still in flight and
+        `ahead` the requests of it scheduled again (`fill_decode_inputs`): their token is
+        taken from `prev.tokens` on the device where the host does not know it."""
+        if ahead and (prev is None or not self.feeds_back):
+            raise ValueError("dispatch_decode: ahead needs prev (the step in flight) and "
+                             "EngineConfig.async_scheduling")
         inputs = self._idle_inputs()
-        fill_decode_inputs(reqs, inputs)
+        prev_index = np.full(self.cfg.max_num_reqs, -1, np.int32) if self.feeds_back else None
+        fill_decode_inputs(reqs, inputs, ahead=ahead, prev_index=prev_index)
         compiles = CompileWatch.count
         t0 = time.perf_counter()
-        next_tokens, aux = self._decode(residency, *inputs)
+        next_tokens, aux = self._decode(residency, *inputs, prev_index=prev_index,
+                                        prev_tokens=None if prev is None else prev.tokens)
         return PendingDecode(reqs, residency, t0, next_tokens, aux, compiles)
 
-    def _decode(self, residency: Residency, *host_arrays: np.ndarray
+    def _decode(self, residency: Residency, *host_arrays: np.ndarray,
+                prev_index: np.ndarray | None = None, prev_tokens: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Dispatches the decode variant of `residency` on host-built arrays (tokens,
         positions, state_rows, temperature, seeds, steps: `_idle_inputs`' shapes and dtypes),
-        sent as one packed int32 array (`_jit_decode`)."""
+        sent as one packed int32 array (`_jit_decode`). With `feeds_back` the packed array
+        also carries `prev_index` (int32[S], default every row -1: the host token) and the
+        step takes `prev_tokens` (a previous step's device tokens; default zeros)."""
+        extra: tuple[jax.Array, ...] = ()
+        if self.feeds_back:
+            if prev_index is None:
+                prev_index = np.full(self.cfg.max_num_reqs, -1, np.int32)
+            host_arrays = (*host_arrays, prev_index)
+            extra = (self._no_prev_tokens if prev_tokens is None else prev_tokens,)
         inputs = self._put(np.concatenate([a.reshape(-1).view(np.int32) for a in host_arrays]))
         host_pools = self.host_pool.arrays if residency.reads_host else ()
         tables = (self.tables.src, self.tables.res, self.tables.hot)
         cache = _with_residency(self.cache, residency)
         next_tokens, cache, aux = self.jitted[variant_name(residency)](
-            self.params, cache, inputs, tables, host_pools, self.sample_key, self.topk_state)
+            self.params, cache, inputs, tables, host_pools, self.sample_key, self.topk_state,
+            *extra)
         self._set_cache(cache)
         return next_tokens, aux
 
-    def collect_decode(self, pending: PendingDecode) -> DecodeResult:
-        """Waits for a dispatched decode step's tokens and counters."""
+    def collect_decode(self, pending: PendingDecode, *, since: float | None = None
+                       ) -> DecodeResult:
+        """Waits for a dispatched decode step's tokens and counters. Its `seconds` run from
+        the dispatch, or from `since` when later (async scheduling: the previous step's
+        collection, so that overlapping steps do not count the same time twice)."""
         out, hits, misses = jax.device_get((pending.tokens, pending.aux["hits"],
                                             pending.aux["misses"]))
-        seconds = time.perf_counter() - pending.started
+        started = pending.started if since is None else max(pending.started, since)
+        seconds = time.perf_counter() - started
         S = self.cfg.max_num_reqs
         attention = np.asarray(pending.aux["attention"]) if "attention" in pending.aux else None
         if self.num_speculative_tokens:
@@ -546,11 +597,17 @@ class Runner:
     def _jit_decode(self, name: str) -> Callable[..., Any]:
         """`decode_fn` jitted with its six per-row inputs (`_idle_inputs`) packed into one
         int32 array: one host-to-device copy per step instead of six (each a fixed cost of
-        tens of microseconds on a GPU host)."""
+        tens of microseconds on a GPU host). With `feeds_back` (async scheduling) a seventh,
+        prev_index int32[S], picks rows whose token is the previous step's device token
+        (`prev_tokens`, an extra argument: the step reads it without a host round trip)."""
         step = self._wrap(self.decode_fn(), name)
         specs = [(a.shape, a.dtype) for a in self._idle_inputs()]
+        feeds_back = self.feeds_back
+        if feeds_back:  # prev_index int32[S] (`_decode`)
+            specs.append(((self.cfg.max_num_reqs,), np.dtype(np.int32)))
 
-        def packed_step(params, cache, inputs, tables, host_pools, key, topk_state):
+        def packed_step(params, cache, inputs, tables, host_pools, key, topk_state,
+                        prev_tokens=None):
             parts, at = [], 0
             for shape, dtype in specs:
                 size = math.prod(shape)
@@ -558,6 +615,10 @@ class Runner:
                 parts.append(part if dtype == np.int32
                              else jax.lax.bitcast_convert_type(part, dtype))
                 at += size
+            if feeds_back:  # a row's token from the previous step's device tokens
+                prev_index = parts.pop()
+                taken = prev_tokens[jnp.maximum(prev_index, 0)]
+                parts[0] = jnp.where(prev_index >= 0, taken, parts[0])
             tokens, positions, state_rows, temperature, seeds, steps = parts
             return step(params, cache, tokens, positions, state_rows, tables, host_pools,
                         temperature, key, seeds, topk_state, steps)

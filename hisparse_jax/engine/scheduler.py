@@ -52,6 +52,10 @@ from hisparse_jax.engine.request import Request
 from host_tier.plan import StepPlan
 from host_tier.sizes import cdiv
 
+PENDING_TOKEN = 0
+"""The token id the residency manager gets for a token still on the device (asynchronous
+scheduling) until the engine sets the real one (`set_token_ids`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledStep:
@@ -140,8 +144,18 @@ class Scheduler:
         if report:
             self.manager.on_transfers(report)
 
-    def schedule(self) -> ScheduledStep | None:
-        """One scheduler pass; None when nothing runs this step."""
+    def schedule(self, in_flight: frozenset[Hashable] = frozenset()) -> ScheduledStep | None:
+        """One scheduler pass; None when nothing runs this step.
+
+        `in_flight` (asynchronous scheduling, `EngineConfig.async_scheduling`): the ids of the
+        requests whose decode step is dispatched but not collected. Each counts one more
+        token than it recorded: its pending token, which the manager gets as a placeholder
+        (`PENDING_TOKEN`; the engine sets the real id when it arrives,
+        `set_token_ids`) unless it is a replayed (known) one. One that will have finished
+        by then on the host's knowledge (`max_new_tokens`, max_model_len) is not scheduled;
+        a stop token is learned a step late (the engine drops the extra row). With requests
+        in flight, a pass that schedules nothing returns None without preempting or failing
+        anyone (the engine collects the step in flight first)."""
         manager, m = self.manager, self.metrics
         self.pass_decode, self.pass_admitted, self.pass_chunks = [], [], []
         self._budget = self.max_prefill_tokens
@@ -150,6 +164,13 @@ class Scheduler:
         decode, chunks, waited = self.pass_decode, self.pass_chunks, []
         running = list(self.running.values())
         decoding = [req for req in running if not req.prefilling]
+        if in_flight:
+            decoding = [req for req in decoding
+                        if req.request_id not in in_flight or not self._last_in_flight(req)]
+            new_tokens = [self._known_tokens(req, req.request_id in in_flight)
+                          for req in decoding]
+        else:
+            new_tokens = [req.generated[req.counted:req.live] for req in decoding]
         # One manager call for every decoding request (the per-request calls cost more host
         # time than the scheduling itself at hundreds of requests).
         if self.num_speculative_tokens:
@@ -157,12 +178,12 @@ class Scheduler:
             lookahead = [len(d) for d in drafts]
         else:
             drafts, lookahead = [[]] * len(decoding), None
-        results = manager.schedule_batch(
-            [req.request_id for req in decoding],
-            [req.generated[req.counted:req.live] for req in decoding], lookahead)
-        for req, req_drafts, result in zip(decoding, drafts, results, strict=True):
+        results = manager.schedule_batch([req.request_id for req in decoding], new_tokens,
+                                          lookahead)
+        for req, req_drafts, tokens, result in zip(decoding, drafts, new_tokens, results,
+                                                   strict=True):
             if result is None:
-                req.counted, req.step_drafts = req.live, req_drafts
+                req.counted, req.step_drafts = req.counted + len(tokens), req_drafts
                 decode.append(req)
             else:
                 waited.append(req)
@@ -181,7 +202,8 @@ class Scheduler:
         m.waits += len(waited)
         admitted = self._admit()
         if not decode and not admitted and not chunks:
-            self._when_idle(waited)
+            if not in_flight:
+                self._when_idle(waited)
             return None
         plan = manager.build_plan()
         residency = self.residency
@@ -189,6 +211,24 @@ class Scheduler:
                 manager.all_pages_resident(req.request_id) for req in decode):
             residency = AllResident()
         return ScheduledStep(plan, list(decode), list(admitted), residency, list(chunks))
+
+    def _last_in_flight(self, req: Request) -> bool:
+        """Whether the in-flight step of `req` produces its last token (known on the host:
+        `max_new_tokens` or max_model_len tokens; a stop token is not known yet)."""
+        after = max(len(req.generated), req.live + 1)  # generated tokens once it is recorded
+        return ((req.max_new_tokens is not None and after >= req.max_new_tokens)
+                or len(req.prompt) + after >= self.cfg.max_model_len)
+
+    @staticmethod
+    def _known_tokens(req: Request, in_flight: bool) -> list[int]:
+        """The tokens `req` hands the manager in this pass: those recorded since it last
+        counted, and with a step `in_flight` its pending token (known when replayed, else
+        `PENDING_TOKEN`)."""
+        tokens = req.generated[req.counted:req.live]
+        if in_flight:
+            live = req.live
+            tokens.append(req.generated[live] if live < len(req.generated) else PENDING_TOKEN)
+        return tokens
 
     def _next_chunk(self, req: Request) -> int:
         """Prompt tokens `req`'s next prefill computes: the rest of its prompt, at most
@@ -345,9 +385,10 @@ class Scheduler:
         self.finished[req.request_id] = req
         self.newly_finished.append(req)
 
-    def collected(self, req: Request) -> None:
-        """A request of the decode batch had its token recorded."""
-        self.pass_decode.remove(req)
+    def collected(self, req: Request, batch: list[Request] | None = None) -> None:
+        """A request of the decode batch (`batch`; default the open pass's `pass_decode`) had
+        its token recorded (or dropped: it finished since the step was dispatched)."""
+        (self.pass_decode if batch is None else batch).remove(req)
 
     def preempt(self, req: Request) -> None:
         """Recompute preemption: the request re-enters the queue with its generated tokens

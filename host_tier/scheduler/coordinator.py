@@ -550,6 +550,29 @@ class Coordinator:
                 results.append(self._schedule_checked(*args))
         return results
 
+    def set_token_ids(self, updates: Sequence[tuple[Hashable, int, int]]) -> None:
+        """Sets token ids already counted: (request_id, index, token) replaces token `index`
+        (prompt tokens first) of a running request's token history. An engine with
+        asynchronous scheduling counts a token still on the device with a placeholder id
+        and sets the real one when it arrives. Only page hashes (prefix caching) read the
+        ids: with prefix caching on, a page must not seal while it holds a placeholder.
+
+        Raises:
+          ValueError: a request is not admitted, an index is out of its history, or a token
+            is not an int64 (before anything changes).
+        """
+        records = []
+        for i, (rid, index, token) in enumerate(updates):
+            r = self._running(rid, f"set_token_ids[{i}]")
+            if not is_int(index) or not 0 <= index < len(r.token_ids):
+                raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
+                                 f"{len(r.token_ids)}) (request {rid!r}'s known tokens), got "
+                                 f"{index!r}")
+            check_tokens([token], f"set_token_ids[{i}]: token")
+            records.append(r)
+        for r, (_, index, token) in zip(records, updates, strict=True):
+            r.token_ids[index] = int(token)
+
     def _on_fast_path(self, records: list[RequestRecord | None],
                       new_token_ids: Sequence[Sequence[int]],
                       num_lookahead_tokens: Sequence[Any]) -> list[bool]:

@@ -14,7 +14,8 @@
 #        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident),
 #        decode_chunked (the decode check with chunked prefill), e2e_repeat1 (three pairs at 1
 #        request), e2e_indexer (the model's indexer at 64K), e2e_deep (8 layers), cmdbuf (XLA
-#        command buffers: tokens and e2e at 256 with and without)
+#        command buffers: tokens and e2e at 256 with and without), async (asynchronous
+#        scheduling: decode check, e2e with and without, profile at 256)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -95,6 +96,13 @@ run_step() {  # name, time limit in s, command...
         e2e_args=(--concurrency 256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
         run_step cmdbuf_e2e_off 200 python3 -m bench.e2e_decode "${e2e_args[@]}" --output bench/results/e2e_decode-cmdbuf-off-gpu.json
         XLA_FLAGS="$cb" run_step cmdbuf_e2e_on 200 python3 -m bench.e2e_decode "${e2e_args[@]}" --output bench/results/e2e_decode-cmdbuf-on-gpu.json ;;
+      # Asynchronous scheduling: the decode check with it, the e2e benchmark with it (every
+      # concurrency, HiSparse and all-resident) and without (1, 64, 256), a profile at 256.
+      async)
+        run_step decode_async 150 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --async-scheduling --check
+        run_step e2e_async 260 python3 -m bench.e2e_decode --async-scheduling --concurrency 1,4,16,64,128,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output bench/results/e2e_decode-async-gpu.json
+        run_step e2e_sync 200 python3 -m bench.e2e_decode --concurrency 1,64,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output bench/results/e2e_decode-sync-gpu.json
+        run_step profile_async_256 150 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --output bench/results/profile_step-gpu-hisparse-256-async.json ;;
       spec_gpu) run_step spec_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine_speculative.py ;;
       decode_spec) run_step decode_spec 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --gpu-blocks 500 --prefill-bucket 4096 --speculative-tokens 2 --check ;;
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;

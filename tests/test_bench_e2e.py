@@ -101,6 +101,27 @@ def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
         e2e_decode.main(["--num-layers", "0", "--no-plot"])
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_e2e_benchmark_counts_every_token_it_times(tmp_path, async_scheduling):
+    # Each measured step emits one token per running request; with async scheduling a block's
+    # last step is collected (drained) inside the window, so the count is the same.
+    from bench import e2e_decode
+
+    out = tmp_path / "e2e.json"
+    rc = e2e_decode.main([
+        "--config", "tiny", "--context", "256", "--gen-budget", "64", "--block-size", "16",
+        "--concurrency", "6", "--modes", "hisparse,all-resident", "--turnover-sweep", "",
+        "--warmup-steps", "2", "--measure-steps", "8", "--rounds", "2", "--output", str(out),
+        "--no-plot", *(["--async-scheduling"] if async_scheduling else [])])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["async_scheduling"] is async_scheduling
+    for r in record["results"]:
+        assert r["async_scheduling"] is async_scheduling
+        assert r["measured_steps"] == 8, r
+        assert r["measured_tokens"] == 8 * r["running_max"], r
+
+
 def test_e2e_plot_draws_both_panels(tmp_path):
     pytest.importorskip("matplotlib")  # the optional `bench` extra
     from bench import e2e_decode

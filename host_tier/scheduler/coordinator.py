@@ -561,15 +561,20 @@ class Coordinator:
           ValueError: a request is not admitted, an index is out of its history, or a token
             is not an int64 (before anything changes).
         """
-        records = []
-        for i, (rid, index, token) in enumerate(updates):
-            r = self._running(rid, f"set_token_ids[{i}]")
-            if not is_int(index) or not 0 <= index < len(r.token_ids):
-                raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
-                                 f"{len(r.token_ids)}) (request {rid!r}'s known tokens), got "
-                                 f"{index!r}")
-            check_tokens([token], f"set_token_ids[{i}]: token")
-            records.append(r)
+        # One pass of cheap checks for the common batch (plain ints, every request running;
+        # hundreds per step); the checks that name the culprit run only when one fails.
+        requests = self._requests
+        records = [requests.get(rid) for rid, _, _ in updates]
+        if not all(r is not None and type(index) is int and 0 <= index < len(r.token_ids)
+                   and type(token) is int and INT64_MIN <= token < INT64_END
+                   for r, (_, index, token) in zip(records, updates, strict=True)):
+            for i, (rid, index, token) in enumerate(updates):
+                r = self._running(rid, f"set_token_ids[{i}]")
+                if not is_int(index) or not 0 <= index < len(r.token_ids):
+                    raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
+                                     f"{len(r.token_ids)}) (request {rid!r}'s known tokens), "
+                                     f"got {index!r}")
+                check_tokens([token], f"set_token_ids[{i}]: token")
         for r, (_, index, token) in zip(records, updates, strict=True):
             r.token_ids[index] = int(token)
 

@@ -114,6 +114,15 @@ class EngineConfig:
       max_prefill_tokens_per_step: prompt tokens prefilled per step, at most, over every
         request (None: no limit; needs prefill_chunk_size): chunks of requests already
         prefilling come first, then admissions, each chunk cut to what the budget leaves.
+      enable_prefix_caching: reuse the published pages of earlier requests (`host_tier`'s
+        prefix cache: full pages named by a chained hash of their tokens, published once
+        their host copies completed): a prompt that starts with published pages prefills
+        only its remaining tokens (`Transformer.prefill_chunk` from the first uncached
+        position, also without prefill_chunk_size), its hit pages restored into resident
+        blocks and their index keys copied into its seat (the engine keeps the keys of every
+        published page on the host: `hisparse_jax/engine/prefix_keys.py`). Needs the HiSparse
+        mode (neither all_resident nor naive_offload), the indexer (no topk_source) and no
+        speculation (num_speculative_tokens=0).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -142,6 +151,7 @@ class EngineConfig:
     union_resolution: bool = True
     prefill_chunk_size: int | None = None
     max_prefill_tokens_per_step: int | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -165,7 +175,7 @@ class EngineConfig:
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
-                     "compilation_cache", "union_resolution"):
+                     "compilation_cache", "union_resolution", "enable_prefix_caching"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -208,6 +218,17 @@ class EngineConfig:
             raise ValueError("EngineConfig.prefill_chunk_size needs the indexer (topk_source "
                              "None): a chunk selects over the earlier chunks' index keys, which "
                              "are not kept with an external top-k source")
+        if self.enable_prefix_caching:
+            for broken, rule in (
+                    (self.all_resident or self.naive_offload,
+                     "the HiSparse mode (all_resident and naive_offload False): published pages "
+                     "live in the host tier"),
+                    (self.topk_source is not None,
+                     "the indexer (topk_source None): a hit copies the prefix's index keys"),
+                    (k != 0, "num_speculative_tokens=0: a page's index keys are kept when it "
+                     "seals, which a speculative step's rows do not tell")):
+                if broken:
+                    raise ValueError(f"EngineConfig.enable_prefix_caching needs {rule}")
         for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
             object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
 

@@ -296,6 +296,9 @@ class MeshEngine(Engine):
         if config.prefill_chunk_size is not None:
             raise ValueError("MeshEngine: EngineConfig.prefill_chunk_size must be None (the "
                              "mesh engine prefills in one shot; use Engine)")
+        if config.enable_prefix_caching:
+            raise ValueError("MeshEngine: EngineConfig.enable_prefix_caching must be False (the "
+                             "mesh engine does not reuse published prefixes yet; use Engine)")
         self.model_config = mc = model.cfg
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")

@@ -122,6 +122,7 @@ class SimulatedServer:
     `mirror_fn` / `restore_fn` are the engine's copies (see `host_tier/worker/transfer.py`);
     they default to the jnp references above. Pass the data plane's
     (`hisparse_jax.ops.mirror_rows` / `restore_rows`) to test it end to end.
+    `resident_prefix_hits` goes to the coordinator (hit pages restored into resident blocks).
     """
 
     def __init__(self, *, block_size: int = 4, num_gpu_blocks: int = 24,
@@ -129,7 +130,8 @@ class SimulatedServer:
                  max_num_reqs: int = 6, max_model_len: int = 48, num_layers: int = 2,
                  row_width: int = 4, mirror_fn: MirrorFn | None = None,
                  restore_fn: RestoreFn | None = None, seed: int = 0,
-                 spill_fault_rate: float = 0.0, restore_fault_rate: float = 0.0) -> None:
+                 spill_fault_rate: float = 0.0, restore_fault_rate: float = 0.0,
+                 resident_prefix_hits: bool = False) -> None:
         if row_width < 4:
             raise ValueError("SimulatedServer.row_width must be >= 4")
         self.B = block_size
@@ -141,7 +143,8 @@ class SimulatedServer:
         hot_blocks = cdiv(hot_size, block_size)
         self.coord = Coordinator(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                  num_host_blocks=num_host_blocks, hot_blocks=hot_blocks,
-                                 max_num_reqs=max_num_reqs, max_model_len=max_model_len)
+                                 max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+                                 resident_prefix_hits=resident_prefix_hits)
         self.pool = HostPool(num_layers=num_layers, block_size=block_size, row_width=row_width,
                              dtype=np.float32, num_blocks=num_host_blocks)
         # Faults come from their own generator: without them the run is the same as before.

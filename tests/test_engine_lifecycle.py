@@ -161,6 +161,8 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
     (dict(all_resident="yes"), "EngineConfig.all_resident must be a bool"),
     (dict(compilation_cache=None), "EngineConfig.compilation_cache must be a bool"),
     (dict(all_resident=True, naive_offload=True), "exclude each other"),
+    (dict(enable_prefix_caching=True, async_scheduling=True),
+     "EngineConfig.enable_prefix_caching needs async_scheduling=False"),
     (dict(topk_source=object()), "EngineConfig.topk_source must be a"),
     (dict(ops_backend="bogus"), r"EngineConfig.ops_backend must be one of \('reference'"),
     (dict(attention_backend=3), "EngineConfig.attention_backend must be a str or None"),

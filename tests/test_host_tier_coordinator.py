@@ -237,6 +237,57 @@ def test_partial_prefix_hit_copies_on_write_instead_of_writing_the_shared_page()
     coord.check_invariants()
 
 
+def test_resident_prefix_hits_restore_the_hit_pages_without_a_device_copy():
+    coord = make(resident_prefix_hits=True)
+    prompt = list(range(12))
+    coord.admit("a", prompt)
+    complete_all(coord, coord.build_plan())
+    a = coord.view("a")
+    coord.finish("a")
+    # Handing out every free block evicts the device copies of a's pages.
+    grabbed = coord.device_pool.allocate(coord.device_pool.num_free)
+    coord.device_pool.free(grabbed)
+    result = coord.admit("b", prompt[:10] + [70, 71])
+    assert result.num_cached_tokens == 8 and result.num_scheduled_tokens == 4
+    b = coord.view("b")
+    assert b.host_blocks[:2] == a.host_blocks[:2] and coord.stats["adopted_pages"] == 0
+    assert NULL_BLOCK not in b.resident_blocks and not b.hot_blocks  # all resident
+    plan = coord.build_plan()
+    assert [(r.host_block, r.device_block, r.num_rows) for r in plan.restores] == [
+        (a.host_blocks[p], b.resident_blocks[p], B) for p in (0, 1)]
+    assert coord.stats["prefix_restores"] == 2 and coord.stats["copy_on_write"] == 0
+    assert [(w.start, w.num_tokens) for w in plan.writes] == [(8, 4)]  # pages 2.. only
+    assert all(coord.host_pool.ref_count(a.host_blocks[p]) == 2 for p in (0, 1))
+    complete_all(coord, plan)  # the restores' references go when they are enqueued
+    assert all(coord.host_pool.ref_count(a.host_blocks[p]) == 1 for p in (0, 1))
+    assert coord.view("b").valid_pages >= {0, 1}
+
+
+def test_listeners_hear_publications_and_evictions():
+    coord = make(num_host_blocks=6)
+    published, evicted = [], []
+    coord.listen(on_publish=lambda rid, page, h: published.append((rid, page, h)),
+                 on_unpublish=evicted.append)
+    assert coord.cached_tokens(list(range(8))) == 0
+    coord.admit("a", list(range(8)))
+    complete_all(coord, coord.build_plan())
+    assert [(rid, page) for rid, page, _ in published] == [("a", 0), ("a", 1)]
+    assert coord.cached_tokens(list(range(8))) == 7 and coord.cached_tokens([0, 1, 2, 3, 9]) == 4
+    assert coord.publishes("a")
+    coord.finish("a")
+    assert not coord.publishes("a")
+    coord.admit("b", list(range(50, 70)))  # 5 host blocks: a's pages are evicted
+    assert sorted(evicted) == sorted(h for _, _, h in published)
+    assert coord.cached_tokens(list(range(8))) == 0
+    complete_all(coord, coord.build_plan())
+    coord.finish("b")
+    assert coord.cached_tokens(list(range(50, 70))) == 19
+    coord.drop_prefix_cache()  # forgets b's published pages and their device copies
+    assert coord.cached_tokens(list(range(50, 70))) == 0 and len(evicted) == 2 + 5
+    assert not coord.host_pool.published_blocks()
+    coord.check_invariants()
+
+
 def test_finish_with_spills_in_flight_publishes_once_they_complete():
     coord = make()
     coord.admit("a", list(range(9)))

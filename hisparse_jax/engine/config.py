@@ -121,6 +121,15 @@ class EngineConfig:
         step is dropped, never emitted); on anything unusual the engine drains to a
         synchronous step. Same tokens as the synchronous engine. Not with speculation
         (num_speculative_tokens 0) nor in `MeshEngine`.
+      enable_prefix_caching: reuse the published pages of earlier requests (`host_tier`'s
+        prefix cache: full pages named by a chained hash of their tokens, published once
+        their host copies completed): a prompt that starts with published pages prefills
+        only its remaining tokens (`Transformer.prefill_chunk` from the first uncached
+        position, also without prefill_chunk_size), its hit pages restored into resident
+        blocks and their index keys copied into its seat (the engine keeps the keys of every
+        published page on the host: `hisparse_jax/engine/prefix_keys.py`). Needs the HiSparse
+        mode (neither all_resident nor naive_offload), the indexer (no topk_source) and no
+        speculation (num_speculative_tokens=0).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -150,6 +159,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     max_prefill_tokens_per_step: int | None = None
     async_scheduling: bool = False
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -173,7 +183,8 @@ class EngineConfig:
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
-                     "compilation_cache", "union_resolution", "async_scheduling"):
+                     "compilation_cache", "union_resolution", "async_scheduling",
+                     "enable_prefix_caching"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -217,6 +228,20 @@ class EngineConfig:
             raise ValueError("EngineConfig.prefill_chunk_size needs the indexer (topk_source "
                              "None): a chunk selects over the earlier chunks' index keys, which "
                              "are not kept with an external top-k source")
+        if self.enable_prefix_caching:
+            for broken, rule in (
+                    (self.all_resident or self.naive_offload,
+                     "the HiSparse mode (all_resident and naive_offload False): published pages "
+                     "live in the host tier"),
+                    (self.topk_source is not None,
+                     "the indexer (topk_source None): a hit copies the prefix's index keys"),
+                    (k != 0, "num_speculative_tokens=0: a page's index keys are kept when it "
+                     "seals, which a speculative step's rows do not tell"),
+                    (self.async_scheduling,
+                     "async_scheduling=False: a page hashes its token ids when it seals, and "
+                     "an asynchronous step's newest token is still on the device then")):
+                if broken:
+                    raise ValueError(f"EngineConfig.enable_prefix_caching needs {rule}")
         for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
             object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
 

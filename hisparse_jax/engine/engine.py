@@ -19,6 +19,12 @@ HiSparse steps whose scheduled requests have every context page resident run the
 `AllResident` variant (upstream `all_context_pages_resident`), which never touches the host
 tier.
 
+With `EngineConfig.enable_prefix_caching` the coordinator publishes durable pages and a
+request whose prompt starts with published pages prefills only the rest (a chunk from its first
+uncached position); the hit pages are made resident before the step and their index keys come
+from the engine's `IndexKeyStore` (`prefix_keys.py`), filled when a page seals and dropped
+with the published page (`docs/semantics.md`, prefix reuse in the engine).
+
 For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
 source instead of the indexer, and `synthetic_prefill` writes deterministic random KV rows
 instead of running the model over the prompt; decode always runs the model.
@@ -76,6 +82,7 @@ import numpy as np
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock, summarise
+from hisparse_jax.engine.prefix_keys import IndexKeyStore
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.runner import DecodeResult, PendingDecode, Runner, variant_name
@@ -84,6 +91,7 @@ from hisparse_jax.nn import Transformer
 from hisparse_jax.ops import mirror_rows, restore_rows
 from host_tier import CapacityError, Coordinator, DeviceBlockTables, HostPool, TransferEngine
 from host_tier.plan import StepPlan
+from host_tier.scheduler.prefix_cache import page_hash
 from host_tier.sizes import is_int
 
 
@@ -222,6 +230,9 @@ def recover_parts(scheduler: Scheduler, runner: Runner, metrics: Metrics, st: _O
                     lambda r=req: scheduler.preempt(r))
         attempt("rebuilding the device state",
                 lambda: runner.reset_device_state(manager.tables.full_update()))
+        if getattr(manager, "enable_prefix_caching", False):
+            # Device copies of published pages are zeros now (and host pool layers may be).
+            attempt("dropping the prefix cache", manager.drop_prefix_cache)
         metrics.device_resets += 1
     scheduler.pass_decode, scheduler.pass_admitted, scheduler.pass_chunks = [], [], []
     return notes
@@ -332,8 +343,10 @@ class Engine:
         try:
             if residency.reads_host:
                 try:
-                    manager = Coordinator.from_config(cfg, enable_prefix_caching=False,
-                                                      offload_all=ec.naive_offload)
+                    manager = Coordinator.from_config(
+                        cfg, enable_prefix_caching=ec.enable_prefix_caching,
+                        offload_all=ec.naive_offload,
+                        resident_prefix_hits=ec.enable_prefix_caching)
                 except ValueError as e:
                     raise ValueError(f"Engine: EngineConfig.num_gpu_blocks={cfg.num_gpu_blocks} "
                                      f"/ num_host_blocks={cfg.num_host_blocks} refused by the "
@@ -356,6 +369,13 @@ class Engine:
                                    max_prefill_tokens=ec.max_prefill_tokens_per_step)
         self._auto_ids = itertools.count()
         self._num_added = 0
+        # Prefix caching: host copies of the index keys of published pages (`prefix_keys.py`).
+        self.prefix_keys: IndexKeyStore | None = None
+        self._key_owners: set[Hashable] = set()  # requests that staged keys
+        if ec.enable_prefix_caching:
+            self.prefix_keys = IndexKeyStore()
+            manager.listen(on_publish=self._on_publish,
+                           on_unpublish=self.prefix_keys.on_unpublish)
 
     # ------------------------------------------------------------------ state
 
@@ -510,6 +530,8 @@ class Engine:
                 on_step(self)
         self.drain()
         self.scheduler.deliver(wait=True)
+        if self.prefix_keys is not None:
+            self._prune_keys()  # finished requests whose last copies just completed
         self.metrics.wall_seconds += time.perf_counter() - t0
         return dict(self.finished)
 
@@ -707,17 +729,22 @@ class Engine:
         self.scheduler.deliver()
         if pending is not None:
             self._collect(pending)
+        if self.prefix_keys is not None:
+            self._prune_keys()
 
     def _prefill(self, req: Request, st: _OpenStep, scheduler: Scheduler,
                  runner: Runner) -> None:
         """Prefills admitted request `req` (its prompt, or its next `chunk` of prompt tokens
         with `EngineConfig.prefill_chunk_size`) with `scheduler`'s manager and `runner` (the
         engine's, or a mesh data shard's); it samples its first token after its last chunk."""
+        first = req in scheduler.pass_admitted
         try:
             blocks = np.asarray(scheduler.manager.view(req.request_id).resident_blocks, np.int64)
-            if self.config.prefill_chunk_size is None:
+            if first and req.num_cached:
+                self._load_prefix_keys(req, runner)
+            if self.config.prefill_chunk_size is None and not req.num_prefilled:
                 out = runner.prefill(req, blocks)
-            else:
+            else:  # a chunk, or the rest of a prompt after its prefix hit
                 out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk)
             token, attention, seconds, variant, compiled = out
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -729,7 +756,12 @@ class Engine:
             return
         self._clock.account(variant, seconds, "prefill_seconds", compiled=compiled)
         self.metrics.prompt_tokens += req.chunk
+        if first and req.num_cached:
+            self.metrics.prefix_hit_tokens += req.num_cached
+            self.metrics.prefix_hit_requests += 1
         scheduler.start(req)
+        if self.prefix_keys is not None:
+            self._stage_keys(req, req.num_prefilled, runner)
         if req.prefilling:
             return  # its next chunk runs on a later step
         self.metrics.prefills += 1
@@ -757,7 +789,79 @@ class Engine:
                                    row_bytes=self.row_bytes)
         self.metrics.decode_request_steps += len(reqs)
         self.metrics.decode_emitted += emitted
+        if self.prefix_keys is not None:
+            # Before the tokens are recorded: a request that finishes now may publish its last
+            # pages after its seat is reused (this step wrote position prompt + live - 1).
+            B = self.config.block_size
+            for req in reqs:
+                if (len(req.prompt) + req.live) // B > req.key_pages:
+                    self._stage_keys(req, len(req.prompt) + req.live, self.runner)
         record_decode(self.scheduler, self.metrics, pending.requests, result, batch)
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
+        """The chained hashes of `req`'s first `num_pages` full pages of tokens (prompt, then
+        generated), as the coordinator names its pages (`host_tier`'s `page_hash`)."""
+        B, hashes = self.config.block_size, req.page_hashes
+        if len(hashes) < num_pages:
+            tokens = req.tokens
+            while len(hashes) < num_pages:
+                p = len(hashes)
+                hashes.append(page_hash(hashes[-1] if hashes else None,
+                                        tokens[p * B:(p + 1) * B]))
+        return hashes[:num_pages]
+
+    def _stage_keys(self, req: Request, num_written: int, runner: Runner) -> None:
+        """Keeps the index keys of `req`'s pages sealed since the last call (its seat holds
+        rows [0, num_written)): they may be published later (`prefix_keys.py`)."""
+        pages = num_written // self.config.block_size
+        if pages <= req.key_pages:
+            return
+        store, hashes = self.prefix_keys, self._page_hashes(req, pages)
+        new = [p for p in range(req.key_pages, pages) if hashes[p] not in store]
+        fresh = dict(zip(new, runner.read_page_keys(req.seat, new), strict=True)) if new else {}
+        for p in range(req.key_pages, pages):  # kept already: this request may publish it too
+            store.stage(req.request_id, hashes[p], fresh[p] if p in fresh else store.get(hashes[p]))
+        self._key_owners.add(req.request_id)
+        req.key_pages = pages
+
+    def _on_publish(self, request_id: Hashable, page: int, h: bytes) -> None:
+        """The coordinator published `page` of a request (`Coordinator.listen`): its keys are
+        kept from then on; copied from its seat now if its step has not staged them yet (the
+        page sealed in this step's decode, whose tokens are collected after the reports)."""
+        store = self.prefix_keys
+        if store.on_publish(h):
+            return
+        req = self.scheduler.running.get(request_id)
+        if req is None or req.seat < 0:
+            return  # keys unknown: a prompt hitting this page fails its prefill (never seen)
+        (keys,) = self.runner.read_page_keys(req.seat, [page])
+        store.stage(request_id, h, keys)
+        self._key_owners.add(request_id)
+        store.on_publish(h)
+
+    def _prune_keys(self) -> None:
+        """Drops the staged keys of requests that can no longer publish them."""
+        running = self.scheduler.running
+        gone = [rid for rid in self._key_owners if rid not in running]
+        if gone:
+            manager = self.scheduler.manager
+            self.prefix_keys.prune(gone, manager.publishes)
+            self._key_owners.difference_update(rid for rid in gone
+                                               if rid not in self.prefix_keys.owners)
+
+    def _load_prefix_keys(self, req: Request, runner: Runner) -> None:
+        """Writes the index keys of `req`'s prefix hit (pages covering its `num_cached`
+        tokens) into its seat, before the prefill of the rest reads them."""
+        B = self.config.block_size
+        pages = -(-req.num_cached // B)
+        hashes = self._page_hashes(req, pages)
+        keys = [self.prefix_keys.get(h) for h in hashes]
+        missing = [p for p, k in enumerate(keys) if k is None]
+        if missing:
+            raise RuntimeError(f"prefix hit on pages {missing} whose index keys are not kept")
+        runner.write_page_keys(req.seat, list(enumerate(keys)))
 
     def _recover(self, st: _OpenStep, error: BaseException | None) -> None:
         """Makes the engine consistent after a step failed part-way (module docstring).

@@ -299,6 +299,9 @@ class MeshEngine(Engine):
         if config.async_scheduling:
             raise ValueError("MeshEngine: EngineConfig.async_scheduling must be False (the "
                              "mesh engine schedules synchronously; use Engine)")
+        if config.enable_prefix_caching:
+            raise ValueError("MeshEngine: EngineConfig.enable_prefix_caching must be False (the "
+                             "mesh engine does not reuse published prefixes yet; use Engine)")
         self.model_config = mc = model.cfg
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")

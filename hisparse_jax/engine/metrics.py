@@ -74,6 +74,8 @@ class Metrics:
     decode_emitted: int = 0  # tokens those steps emitted (1 + accepted drafts each)
     dropped_rows: int = 0  # async scheduling: decode rows of requests finished meanwhile
     drains: int = 0  # async scheduling: steps collected with no next step in flight
+    prefix_hit_tokens: int = 0  # prompt tokens reused from published pages (not computed)
+    prefix_hit_requests: int = 0  # prefills that reused a published prefix
 
     def record_decode(self, *, fast: bool, hits: int, misses: int, index_group_size: int,
                       row_bytes: int) -> None:
@@ -124,10 +126,12 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
               finish_reasons: Mapping[str, int] | None = None, kv_format: str = "bf16",
               row_bytes: int = 0, host_bytes_per_request: int = 0) -> dict[str, Any]:
     """The summary figures of a run (`Engine.summary`). `stats`: the residency manager's
-    counters (spills, unpinned_pages, lost_pages, hot_grants; absent ones count 0);
-    `finish_reasons`: finished requests per finish reason; `kv_format` / `row_bytes`: the
-    stored KV row (bytes moved count `row_bytes` per row); `host_bytes_per_request`: host
-    pool bytes of one full-length request, every layer."""
+    counters (spills, unpinned_pages, lost_pages, hot_grants, published_pages,
+    prefix_restores; absent ones count 0); `finish_reasons`: finished requests per finish
+    reason; `kv_format` / `row_bytes`: the stored KV row (bytes moved count `row_bytes` per
+    row); `host_bytes_per_request`: host pool bytes of one full-length request, every layer.
+    prompt_tokens counts the prompt tokens prefills computed, prefix_hit_tokens those reused
+    from published pages (`EngineConfig.enable_prefix_caching`)."""
     lookups = m.hot_hits + m.hot_misses
     steps = max(m.decode_steps, 1)
     timed_steps = clock.timed_decode_steps
@@ -136,6 +140,10 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         "requests_finished": requests_finished,
         "finish_reasons": dict(finish_reasons or {}),
         "prompt_tokens": m.prompt_tokens,
+        "prefix_hit_tokens": m.prefix_hit_tokens,
+        "prefix_hit_requests": m.prefix_hit_requests,
+        "prefix_restored_pages": stats.get("prefix_restores", 0),
+        "published_pages": stats.get("published_pages", 0),
         "generated_tokens": m.generated_tokens,
         "decode_steps": m.decode_steps,
         "fast_path_steps": m.fast_steps,

@@ -33,7 +33,8 @@ class Request:
     `num_prefilled` counts the prompt tokens the current admission has computed and `chunk`
     those its prefill computes in the open step (the whole prompt without
     `EngineConfig.prefill_chunk_size`); while num_prefilled < len(prompt) it is `prefilling`
-    and samples nothing.
+    and samples nothing. With `EngineConfig.enable_prefix_caching` an admission that hits
+    published pages starts with num_prefilled = num_cached (those tokens are reused).
     """
 
     request_id: Hashable
@@ -57,6 +58,9 @@ class Request:
     num_accepted: int = 0
     num_prefilled: int = 0  # prompt tokens computed in this admission
     chunk: int = 0  # prompt tokens its prefill computes in the open step
+    num_cached: int = 0  # prompt tokens this admission reused from published pages
+    key_pages: int = 0  # pages whose index keys the engine kept or needs not keep (prefix)
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
 
     @property
     def prefilling(self) -> bool:

@@ -13,7 +13,9 @@
     layer and position, written straight into the caches; the first generated token is the
     prompt's last token). With `EngineConfig.prefill_chunk_size` it is "prefill_chunk"
     instead, one jit per padded chunk length: `Transformer.prefill_chunk` over one chunk of a
-    prompt, the earlier chunks' rows read through the request's resident pages.
+    prompt, the earlier chunks' rows read through the request's resident pages. With
+    `enable_prefix_caching` there is "prefill_chunk" besides "prefill" (the rest of a prompt
+    after its prefix hit), and jitted copies of one page's index keys out of and into a seat.
   * A plan is executed in order: block-table rows -> hot resets / invalidations (every index
     group's hot state) (`apply_plan_state`) -> restores (`restore`) -> the forward (decode,
     prefills) -> spills (`after_forward`, enqueued without waiting).
@@ -233,11 +235,16 @@ class Runner:
         self.jitted: dict[str, Callable[..., Any]] = {}
         for variant in dict.fromkeys([AllResident(), residency]):
             self.jitted[variant_name(variant)] = self._jit_decode(variant_name(variant))
-        if ec.prefill_chunk_size is not None:
+        if ec.prefill_chunk_size is not None or ec.enable_prefix_caching:
+            # With prefix caching a one-shot engine prefills the rest of a hit prompt as one
+            # chunk from its first uncached position.
             self.jitted["prefill_chunk"] = self._jit_prefill_chunk()
-        else:
+        if ec.prefill_chunk_size is None:
             self.jitted["prefill"] = (self._jit_synthetic_prefill() if ec.synthetic_prefill
                                       else self._jit_prefill())
+        self._read_page_keys = self._write_page_keys = None
+        if ec.enable_prefix_caching:
+            self._read_page_keys, self._write_page_keys = self._jit_page_keys()
 
     def _put(self, tree: Any) -> Any:
         """Commits a pytree of arrays to the runner's device."""
@@ -311,9 +318,17 @@ class Runner:
         """Hands a plan's restores to the transfer worker (into every layer's cache)."""
         if not plan.restores:
             return
-        kv = self.cache.kv
-        kv = dataclasses.replace(kv, caches=tuple(self.transfers.before_forward(plan,
-                                                                                kv.caches)))
+        placed = [c.sharding for c in self.cache.kv.caches]
+        self._set_caches(self.transfers.before_forward(plan, self.cache.kv.caches), placed)
+
+    def _set_caches(self, caches: Any, placed: list[Any]) -> None:
+        """Takes new per-layer KV caches (a copy's outputs) under the placements `placed` the
+        old ones had: a copy kernel's output may come back under an equivalent sharding of
+        another type (e.g. the host pool's one-device mesh), which the jitted steps would
+        compile for again; re-labelling an equivalent placement copies nothing."""
+        caches = tuple(new if new.sharding == s else jax.device_put(new, s)
+                       for new, s in zip(caches, placed, strict=True))
+        kv = dataclasses.replace(self.cache.kv, caches=caches)
         self.cache = dataclasses.replace(self.cache, kv=kv)
 
     def after_forward(self, plan: StepPlan) -> None:
@@ -485,6 +500,46 @@ class Runner:
         self._set_cache(cache)
         return token, aux
 
+    # ------------------------------------------------------------------ index keys of pages
+
+    def _jit_page_keys(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """Jitted reads and writes of one page's index keys (B rows of every group's key cache
+        at a state row): one compile each, whatever the page."""
+        B = self.cfg.block_size
+
+        def read(index_keys, seat, page):
+            return tuple(jax.lax.dynamic_slice(k, (seat, page * B, 0), (1, B, k.shape[2]))[0]
+                         for k in index_keys)
+
+        def write(index_keys, seat, page, keys):
+            return tuple(jax.lax.dynamic_update_slice(k, new[None].astype(k.dtype),
+                                                      (seat, page * B, 0))
+                         for k, new in zip(index_keys, keys, strict=True))
+
+        # The written caches keep the placement the steps were compiled for (a jit's default
+        # output sharding may differ from a committed input's, and would compile them again).
+        placed = (self.device if isinstance(self.device, jax.sharding.Sharding)
+                  else jax.sharding.SingleDeviceSharding(self.device))
+        return jax.jit(read), jax.jit(write, donate_argnums=0, out_shardings=placed)
+
+    def read_page_keys(self, seat: int, pages: list[int]) -> list[tuple[np.ndarray, ...]]:
+        """The index keys of full pages `pages` of the request in state row `seat`: per page,
+        one [B, index_dim] host array per index group (prefix caching only)."""
+        keys = [self._read_page_keys(self.cache.index_keys, *self._put((np.int32(seat),
+                                                                        np.int32(p))))
+                for p in pages]
+        return [tuple(np.asarray(k) for k in page) for page in jax.device_get(keys)]
+
+    def write_page_keys(self, seat: int, pages: list[tuple[int, tuple[np.ndarray, ...]]]
+                        ) -> None:
+        """Writes index keys (page, per-group [B, index_dim]) into state row `seat`'s rows of
+        those pages (prefix caching: a hit's reused pages, before its prefill)."""
+        index_keys = self.cache.index_keys
+        for page, keys in pages:
+            index_keys = self._write_page_keys(index_keys, *self._put((np.int32(seat),
+                                                                       np.int32(page), keys)))
+        self.cache = dataclasses.replace(self.cache, index_keys=tuple(index_keys))
+
     # ------------------------------------------------------------------ warmup
 
     def warmup(self, *, max_spill_pages: int, decode: bool = True) -> list[Hashable]:
@@ -511,7 +566,11 @@ class Runner:
           * the transfer worker's spill copies (`mirror_fn`) of every row-list bucket up to
             `max_spill_pages` pages per plan (the coordinator's spill budget), every row -1
             (skipped), into every layer's pool. Restores are planned only with prefix
-            caching, which the engine does not enable: none is compiled.
+            caching (`EngineConfig.enable_prefix_caching`); with it, the restore copies
+            (`restore_fn`) of every row-list bucket up to every device block's rows, every row
+            -1, the chunk prefill at every length a hit's rest can take (up to
+            max_model_len - 1 without prefill_chunk_size) and the page index-key copies (read
+            and written back unchanged at seat 0) are compiled too.
         """
         cfg, S = self.cfg, self.cfg.max_num_reqs
         warmed: dict[str, list[Any]] = collections.defaultdict(list)
@@ -519,17 +578,22 @@ class Runner:
             jax.block_until_ready(self._decode(residency, *self._idle_inputs()))
             warmed["decode"].append(name)
         chunk = self.config.prefill_chunk_size
-        kind = "prefill" if chunk is None else "prefill_chunk"
-        longest = cfg.max_model_len - 1 if chunk is None else min(chunk, cfg.max_model_len - 1)
-        for T in sorted({self.prefill_length(n) for n in range(1, longest + 1)}):
-            if chunk is None:
-                token, _ = self._prefill(np.zeros(T, np.int32), 1, S, np.full(T, -1, np.int32),
-                                         0.0, 0, 0, 0)
-            else:
-                token, _ = self._prefill_chunk(np.zeros(T, np.int32), 0, 1, S,
-                                               np.zeros(cfg.max_pages, np.int32), 0.0, 0, 0)
-            jax.block_until_ready(token)
-            warmed[kind].append(T)
+        kinds = [kind for kind in ("prefill", "prefill_chunk") if kind in self.jitted]
+        for kind in kinds:
+            longest = (cfg.max_model_len - 1 if kind == "prefill" or chunk is None
+                       else min(chunk, cfg.max_model_len - 1))
+            for T in sorted({self.prefill_length(n) for n in range(1, longest + 1)}):
+                if kind == "prefill":
+                    token, _ = self._prefill(np.zeros(T, np.int32), 1, S,
+                                             np.full(T, -1, np.int32), 0.0, 0, 0, 0)
+                else:
+                    token, _ = self._prefill_chunk(np.zeros(T, np.int32), 0, 1, S,
+                                                   np.zeros(cfg.max_pages, np.int32), 0.0, 0, 0)
+                jax.block_until_ready(token)
+                warmed[kind].append(T)
+        if self._read_page_keys is not None:  # prefix caching: a page's keys, out and in
+            keys = self.read_page_keys(0, [0])
+            self.write_page_keys(0, [(0, keys[0])])  # seat 0 is free: its rows unchanged
         if self.topk_source is not None:
             self.topk_state = self.topk_source.admit(self.topk_state, 0, 0, 1)
         current = self.tables.as_numpy()
@@ -544,9 +608,11 @@ class Runner:
             warmed["invalidation_widths"] = _pow2_sizes(invalidation_width(1),
                                                         invalidation_width(cfg.max_pages))
             warmed["spill_rows"] = self._warm_spills(max_spill_pages)
+            if self.config.enable_prefix_caching:
+                warmed["restore_rows"] = self._warm_restores()
         jax.block_until_ready(self._device_arrays())
         self.warmed = dict(warmed)
-        return warmed["decode"] + [(kind, T) for T in warmed[kind]]
+        return warmed["decode"] + [(kind, T) for kind in kinds for T in warmed[kind]]
 
     def _reachable_variants(self) -> list[tuple[str, Residency]]:
         out = []
@@ -568,6 +634,23 @@ class Runner:
                 pool.replace_layer(i, mirror(kv, pool.layer(i), rows, rows))
         jax.block_until_ready(pool.arrays)
         return _pow2_sizes(_SPILL_BUCKET, top)
+
+    def _warm_restores(self) -> list[int]:
+        """The restore copies (`restore_fn`) of every row-list bucket a plan can carry (prefix
+        hits: at most every device block's rows), every row -1 (skipped), into every layer's
+        cache; returns the sizes."""
+        pool, restore = self.host_pool, self.transfers.restore_fn
+        sharding = self.transfers.index_sharding
+        cfg = self.cfg
+        most = min(cfg.max_num_reqs * cfg.max_pages, cfg.num_gpu_blocks) * cfg.block_size
+        sizes = _pow2_sizes(_SPILL_BUCKET, pow2_bucket(most, _SPILL_BUCKET))
+        for size in sizes:
+            rows = jax.device_put(np.full(size, -1, np.int32), sharding)
+            placed = [c.sharding for c in self.cache.kv.caches]
+            self._set_caches([restore(pool.layer(i), c, rows, rows)
+                              for i, c in enumerate(self.cache.kv.caches)], placed)
+        jax.block_until_ready(self.cache.kv.caches)
+        return sizes
 
     # ------------------------------------------------------------------ jitted steps
 

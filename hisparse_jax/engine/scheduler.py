@@ -13,7 +13,9 @@ the transfer worker's reports):
      whole prompt, or with its first chunk under `EngineConfig.prefill_chunk_size` (chunks
      of at most that many tokens, within the step's `max_prefill_tokens_per_step`: requests
      already prefilling first, then admissions in queue order; a request samples its first
-     token after its last chunk);
+     token after its last chunk). With prefix caching (`EngineConfig.enable_prefix_caching`)
+     the prompt tokens the manager reuses from published pages are not scheduled: the
+     request starts with `num_prefilled = num_cached`;
   4. when nothing can run: wait for copies in flight, or preempt the most recently admitted
      request that had to wait (recompute: it re-enters the queue with its generated tokens);
      a preempted request is recomputed by replay: its prompt is prefilled again (a request
@@ -83,7 +85,8 @@ class Scheduler:
       manager: the residency manager (Coordinator API: admit / schedule_batch / build_plan /
         finish / cancel / preempt / abort / view / all_pages_resident / request_room /
         on_transfers / has_pending_transfers / failed_requests / capacity_error, `in`,
-        `device_pool.num_free`, `hot_blocks`, `stats`).
+        `device_pool.num_free`, `hot_blocks`, `stats`; with `enable_prefix_caching` True,
+        `cached_tokens` too).
       transfers: the transfer worker (`poll`, `num_in_flight`).
       cfg: sizes (max_num_reqs seats, block_size, max_model_len, num_gpu_blocks).
       residency: the mode's residency type.
@@ -120,6 +123,8 @@ class Scheduler:
         self.pass_admitted: list[Request] = []
         self.pass_chunks: list[Request] = []
         self.prefill_chunk_size = prefill_chunk_size
+        # The manager serves prefix hits (a Coordinator with prefix caching on).
+        self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
         self.max_prefill_tokens = max_prefill_tokens
         self._budget: int | None = None  # prompt tokens the open pass may still prefill
         self.newly_finished: list[Request] = []  # since the engine last took them
@@ -266,6 +271,9 @@ class Scheduler:
             n = self._next_chunk(req)
             if not n:
                 break  # the step's prefill budget is spent
+            # A prefix hit: the reused tokens are not computed (at most the rest is scheduled).
+            cached = manager.cached_tokens(req.prompt) if self.prefix_caching else 0
+            n = min(n, len(req.prompt) - cached)
             # Admission keeps a hot region's worth of blocks free while others run, so a
             # running request that crosses the watermark can get its hot region (and start
             # unpinning) instead of stalling until someone is preempted.
@@ -287,6 +295,8 @@ class Scheduler:
             manager.request_room(0)
             self.waiting.popleft()
             req.seat = result.state_row
+            req.num_cached = req.num_prefilled = result.num_cached_tokens
+            req.key_pages = req.num_cached // self.cfg.block_size  # published already
             self._take_chunk(req, n)
             admitted.append(req)
         return admitted
@@ -417,7 +427,7 @@ class Scheduler:
 
     def _back_to_queue(self, req: Request) -> None:
         """A released request re-enters the queue at the front, to be admitted afresh."""
-        req.live = req.counted = req.num_prefilled = 0
+        req.live = req.counted = req.num_prefilled = req.num_cached = req.key_pages = 0
         req.drafts, req.step_drafts = [], []
         req.num_preemptions += 1
         self.metrics.preemptions += 1

@@ -62,6 +62,9 @@ class BlockPool:
         self._watchers: dict[int, list[OnReuse]] = {}
         self._hash_of_block: dict[int, Hashable] = {}
         self._block_of_hash: dict[Hashable, int] = {}
+        # Called with a content hash when its block is handed out again (the published page is
+        # evicted), after the pool's bookkeeping; None: nobody listens.
+        self.on_unpublish: Callable[[Hashable], None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -209,6 +212,12 @@ class BlockPool:
         self._block_of_hash[block_hash] = block
         return True
 
+    def unpublish_all(self) -> None:
+        """Forgets every content hash (no page is published any more; `on_unpublish` fires
+        for each): e.g. after the pool's contents were lost."""
+        for block in list(self._hash_of_block):
+            self._drop_hash(block)
+
     def lookup(self, block_hash: Hashable) -> int | None:
         """The block published under `block_hash`, or None."""
         return self._block_of_hash.get(block_hash)
@@ -306,6 +315,8 @@ class BlockPool:
         block_hash = self._hash_of_block.pop(block, None)
         if block_hash is not None:
             del self._block_of_hash[block_hash]
+            if self.on_unpublish is not None:
+                self.on_unpublish(block_hash)
 
     def _check_id(self, block: int, what: str) -> int:
         if not is_int(block) or not 0 <= block < self.num_blocks:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import array
 import collections
 import heapq
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from host_tier.plan import HotInvalidation, StepPlan, StepWrite, TransferReport
@@ -97,6 +97,11 @@ class Coordinator:
       offload_all: the naive-offload policy (a benchmark baseline): every request asks for a
         hot region from its first step and each page loses its device block as soon as its
         host copy completes, so everything but the pinned tail is read from host.
+      resident_prefix_hits: a prefix hit's pages are all resident from admission on: every
+        hit page without a device copy to adopt gets a resident block and a restore of its
+        published host page (`StepPlan.restores`, counted in `stats["prefix_restores"]`),
+        and the request needs no hot region at admission. For a caller that reads the
+        prefix through the resident table (an engine's chunked prefill after a hit).
 
     Attributes:
       max_pages: ceil(max_model_len / B), the width of the `src` and `res` tables.
@@ -104,8 +109,9 @@ class Coordinator:
       tables: the scheduler's `BlockTables` (`[max_num_reqs, max_pages]` src/res,
         `[max_num_reqs, hot_blocks]` hot).
       stats: counters for tests and metrics ("spills", "published_pages", "adopted_pages",
-        "copy_on_write", "cached_tokens", "hot_grants", "unpinned_pages", "lost_pages",
-        "schedule_waits", "preemptions", "aborts", "failed_spills", "failed_restores").
+        "copy_on_write", "prefix_restores", "cached_tokens", "hot_grants", "unpinned_pages",
+        "lost_pages", "schedule_waits", "preemptions", "aborts", "failed_spills",
+        "failed_restores").
 
     Raises:
       ValueError: a size is not a positive int, or the device pool is smaller than a lone
@@ -117,7 +123,8 @@ class Coordinator:
 
     def __init__(self, *, block_size: int, num_gpu_blocks: int, num_host_blocks: int,
                  hot_blocks: int, max_num_reqs: int, max_model_len: int,
-                 enable_prefix_caching: bool = True, offload_all: bool = False) -> None:
+                 enable_prefix_caching: bool = True, offload_all: bool = False,
+                 resident_prefix_hits: bool = False) -> None:
         sizes = {name: check_int("Coordinator", name, value) for name, value in (
             ("block_size", block_size), ("num_gpu_blocks", num_gpu_blocks),
             ("num_host_blocks", num_host_blocks), ("hot_blocks", hot_blocks),
@@ -142,6 +149,7 @@ class Coordinator:
         self.hot_blocks = hot_blocks
         self.max_model_len = max_model_len
         self.max_pages = max_pages
+        self.resident_prefix_hits = bool(resident_prefix_hits)
 
         self.device_pool = BlockPool(num_gpu_blocks, name="device pool")
         self.host_pool = BlockPool(num_host_blocks, name="host pool")
@@ -221,6 +229,39 @@ class Coordinator:
     @property
     def enable_prefix_caching(self) -> bool:
         return self._prefix.enabled
+
+    def cached_tokens(self, prompt_token_ids: Sequence[int]) -> int:
+        """The prompt tokens `admit` would reuse from published pages right now (0 without
+        prefix caching): admit's `num_new_tokens` is at most the rest. Changes nothing."""
+        if not self._prefix.enabled:
+            return 0
+        return self._prefix.match(check_tokens(prompt_token_ids, "prompt_token_ids")).num_cached
+
+    def publishes(self, request_id: Hashable) -> bool:
+        """Whether pages of the request may still be published: it is running, or it finished
+        and its last copies are in flight (they publish its durable prefix when they
+        complete)."""
+        return request_id in self._requests or any(r.request_id == request_id
+                                                   for r in self._detached)
+
+    def listen(self, *, on_publish: Callable[[Hashable, int, bytes], None] | None = None,
+               on_unpublish: Callable[[bytes], None] | None = None) -> None:
+        """Registers the listeners of published pages (None: none): `on_publish(request_id,
+        page, page_hash)` when a page of a request is published (called from `on_transfers`,
+        `finish` or `cancel`; a finished request's last pages may publish after its state row
+        is reused), `on_unpublish(page_hash)` when its host block is handed out again (the
+        page is evicted: later prompts no longer hit it). Listeners must not call the
+        coordinator."""
+        self._prefix.on_publish = on_publish
+        self.host_pool.on_unpublish = on_unpublish
+
+    def drop_prefix_cache(self) -> None:
+        """Forgets every published page and every indexed device copy of one: later prompts
+        hit nothing published so far (e.g. after the device caches or host pool layers were
+        rebuilt: their rows are gone). Running requests keep their blocks."""
+        for block in list(self._prefix.copy_of_block):
+            self._prefix.forget_block(block)
+        self.host_pool.unpublish_all()
 
     @property
     def offload_all(self) -> bool:
@@ -405,8 +446,11 @@ class Coordinator:
                 f"got {num_new_tokens!r}")
         chunk = int(chunk)
         new_res_pages = cdiv(num_cached + chunk, B) - full_hit
-        need_hot = full_hit > 0  # a prefix hit reads host pages
-        device_need = new_res_pages + (self.hot_blocks if need_hot else 0)
+        resident_hits = self.resident_prefix_hits
+        need_hot = full_hit > 0 and not resident_hits  # a prefix hit reads host pages
+        # Resident hits: a block per hit page at most (adopted device copies need none).
+        device_need = (new_res_pages + (self.hot_blocks if need_hot else 0)
+                       + (full_hit if resident_hits else 0))
         if device_need > self.device_pool.num_usable:
             raise CapacityError(
                 f"admit: the first chunk needs {device_need} device blocks, the device pool has "
@@ -450,6 +494,15 @@ class Coordinator:
             self._planner.plan_restore(r, hit.cow_source, r.res_blocks[full_hit], num_cached % B)
         # Adopt readable device copies of the hit pages (after this admission's allocations).
         self._prefix.adopt(r, hit.hashes[:full_hit])
+        if resident_hits:
+            # Hit pages without a device copy: restored from their published host pages.
+            missing = [p for p in range(full_hit) if r.res_blocks[p] == NULL_BLOCK]
+            for p, block in zip(missing, self.device_pool.allocate(len(missing)), strict=True):
+                self.host_pool.touch([r.host_blocks[p]])  # the restore's reference
+                self._planner.plan_restore(r, r.host_blocks[p], block, B,
+                                           stat="prefix_restores")
+                r.res_blocks[p] = block
+                r.pinned_clean.add(p)
         r.num_nonresident = r.res_blocks.count(NULL_BLOCK)
         self.stats["cached_tokens"] += num_cached
         return Admitted(request_id, state_row, num_cached, chunk)

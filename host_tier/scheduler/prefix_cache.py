@@ -22,7 +22,7 @@ import array
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
 from host_tier.scheduler.records import RequestRecord
@@ -87,6 +87,9 @@ class PrefixCache:
         # Published host page hash -> a device block holding the same page, until reused.
         self.copies: dict[bytes, int] = {}
         self.copy_of_block: dict[int, bytes] = {}
+        # Called as on_publish(request_id, page, page_hash) when a page of a request is
+        # published (its hash now names its host block); None: nobody listens.
+        self.on_publish: Callable[[Hashable, int, bytes], None] | None = None
 
     def match(self, tokens: Sequence[int]) -> PrefixHit:
         """The longest published prefix of `tokens` (a non-empty prompt), chain by chain."""
@@ -140,7 +143,8 @@ class PrefixCache:
         limit = min(r.ready_prefix, r.num_computed // self.block_size)
         for p in range(r.num_published, limit):
             h = self.page_hash(r, p)
-            self.host_pool.cache(r.host_blocks[p], h)
+            if self.host_pool.cache(r.host_blocks[p], h) and self.on_publish is not None:
+                self.on_publish(r.request_id, p, h)
             block = r.res_blocks[p] if record_copies and p < len(r.res_blocks) else NULL_BLOCK
             if block != NULL_BLOCK:
                 old = self.copies.get(h)

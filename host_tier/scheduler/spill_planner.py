@@ -123,13 +123,15 @@ class SpillPlanner:
         return planned
 
     def plan_restore(self, r: RequestRecord, host_block: int, device_block: int,
-                     num_rows: int) -> None:
+                     num_rows: int, *, stat: str = "copy_on_write") -> None:
         """Copy-on-write: rows `[0, num_rows)` of the shared `host_block` into `r`'s private
-        `device_block`. The caller's reference on `host_block` passes to the restore."""
+        `device_block` (or, with stat="prefix_restores", a whole published page into a resident
+        block of `r`). The caller's reference on `host_block` passes to the restore; `stat`
+        names the counter it adds to."""
         transfer_id = next(self._next_transfer_id)
         self.restores[transfer_id] = RestoreRecord(transfer_id, r, host_block)
         self.pass_restores.append(PageRestore(transfer_id, host_block, device_block, num_rows))
-        self.stats["copy_on_write"] += 1
+        self.stats[stat] += 1
 
     def drop_pass_restores(self, r: RequestRecord) -> None:
         """`r` leaves in the pass that admitted it: its restore never runs."""

@@ -15,7 +15,8 @@
 #        decode_chunked (the decode check with chunked prefill), e2e_repeat1 (three pairs at 1
 #        request), e2e_indexer (the model's indexer at 64K), e2e_deep (8 layers), cmdbuf (XLA
 #        command buffers: tokens and e2e at 256 with and without), async (asynchronous
-#        scheduling: decode check, e2e with and without, profile at 256)
+#        scheduling: decode check, e2e with and without, profile at 256), multiturn (prefix
+#        reuse with real chunked prefill: bench/multiturn.py)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -103,6 +104,9 @@ run_step() {  # name, time limit in s, command...
         run_step e2e_async 260 python3 -m bench.e2e_decode --async-scheduling --concurrency 1,4,16,64,128,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output bench/results/e2e_decode-async-gpu.json
         run_step e2e_sync 200 python3 -m bench.e2e_decode --concurrency 1,64,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output bench/results/e2e_decode-sync-gpu.json
         run_step profile_async_256 150 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --output bench/results/profile_step-gpu-hisparse-256-async.json ;;
+      # Multi-turn serving, real chunked prefill: prefix reuse against none and all-resident
+      # (4 conversations, 8K-token first prompts, 7 turns of 1,024 new and 32 generated tokens).
+      multiturn) run_step multiturn "${MULTITURN_LIMIT:-300}" python3 -m bench.multiturn --conversations 4 --first-prompt 8192 --turns 7 --user-tokens 1024 --gen-tokens 32 --prefill-chunk-size 2048 --ttft-from-turn 5 ;;
       spec_gpu) run_step spec_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine_speculative.py ;;
       decode_spec) run_step decode_spec 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --gpu-blocks 500 --prefill-bucket 4096 --speculative-tokens 2 --check ;;
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;

@@ -274,3 +274,32 @@ def test_prefix_config_is_checked_at_construction(kwargs, match):
 def test_the_mesh_engine_refuses_prefix_caching():
     with pytest.raises(ValueError, match="MeshEngine: EngineConfig.enable_prefix_caching"):
         MeshEngine(tiny_model(), EngineConfig(enable_prefix_caching=True, **SIZES))
+
+
+def test_page_keys_move_in_batches_and_touch_only_their_pages():
+    # Reads and writes of page keys go in fixed batches of `_key_pages` pages (padding pages
+    # -1: read nothing, write nothing); a batch of 3 splits 7 pages into 3 calls here.
+    engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True, **SIZES))
+    runner = engine.runner
+    runner._key_pages = 3
+    rng = np.random.default_rng(7)
+    groups = len(runner.cache.index_keys)
+    dim = runner.cache.index_keys[0].shape[-1]
+    dtype = np.asarray(runner.cache.index_keys[0][0, :1]).dtype
+    pages = [0, 1, 2, 3, 5, 8, 11]
+    keys = {p: tuple(rng.standard_normal((B, dim)).astype(dtype) for _ in range(groups))
+            for p in pages}
+    before = [np.asarray(k).copy() for k in runner.cache.index_keys]
+    runner.write_page_keys(1, [(p, keys[p]) for p in pages])
+    after = [np.asarray(k) for k in runner.cache.index_keys]
+    for g in range(groups):
+        expect = before[g].copy()
+        for p in pages:
+            expect[1, p * B:(p + 1) * B] = keys[p][g]
+        np.testing.assert_array_equal(after[g], expect)  # other rows and seats unchanged
+    got = runner.read_page_keys(1, [11, 2, 5, 0])
+    assert len(got) == 4
+    for p, page_keys in zip([11, 2, 5, 0], got, strict=True):
+        for g in range(groups):
+            np.testing.assert_array_equal(page_keys[g], keys[p][g])
+    engine.close()

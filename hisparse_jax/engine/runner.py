@@ -244,6 +244,7 @@ class Runner:
                                       else self._jit_prefill())
         self._read_page_keys = self._write_page_keys = None
         if ec.enable_prefix_caching:
+            self._key_pages = min(256, -(-self.cfg.max_model_len // self.cfg.block_size))
             self._read_page_keys, self._write_page_keys = self._jit_page_keys()
 
     def _put(self, tree: Any) -> Any:
@@ -503,17 +504,22 @@ class Runner:
     # ------------------------------------------------------------------ index keys of pages
 
     def _jit_page_keys(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """Jitted reads and writes of one page's index keys (B rows of every group's key cache
-        at a state row): one compile each, whatever the page."""
+        """Jitted reads and writes of the index keys of up to `_key_pages` pages at once (B
+        rows each of every group's key cache at a state row; page -1: none): one compile
+        each, whatever the pages (a 64K-token prefix is ~16 calls, not ~1,000)."""
         B = self.cfg.block_size
 
-        def read(index_keys, seat, page):
-            return tuple(jax.lax.dynamic_slice(k, (seat, page * B, 0), (1, B, k.shape[2]))[0]
+        def rows_of(pages, length):
+            rows = pages[:, None] * B + jnp.arange(B, dtype=jnp.int32)[None, :]
+            return jnp.where(pages[:, None] >= 0, rows, length)  # padding: out of range
+
+        def read(index_keys, seat, pages):
+            return tuple(k[seat, jnp.minimum(rows_of(pages, 0), k.shape[1] - 1)]
                          for k in index_keys)
 
-        def write(index_keys, seat, page, keys):
-            return tuple(jax.lax.dynamic_update_slice(k, new[None].astype(k.dtype),
-                                                      (seat, page * B, 0))
+        def write(index_keys, seat, pages, keys):
+            return tuple(k.at[seat, rows_of(pages, k.shape[1])].set(new.astype(k.dtype),
+                                                                   mode="drop")
                          for k, new in zip(index_keys, keys, strict=True))
 
         # The written caches keep the placement the steps were compiled for (a jit's default
@@ -522,22 +528,48 @@ class Runner:
                   else jax.sharding.SingleDeviceSharding(self.device))
         return jax.jit(read), jax.jit(write, donate_argnums=0, out_shardings=placed)
 
+    def _page_batches(self, pages: list[int]) -> list[tuple[list[int], np.ndarray]]:
+        """`pages` in batches of `_key_pages`, each with its int32 page array padded with -1."""
+        P = self._key_pages
+        out = []
+        for i in range(0, len(pages), P):
+            part = pages[i:i + P]
+            padded = np.full(P, -1, np.int32)
+            padded[:len(part)] = part
+            out.append((part, padded))
+        return out
+
     def read_page_keys(self, seat: int, pages: list[int]) -> list[tuple[np.ndarray, ...]]:
         """The index keys of full pages `pages` of the request in state row `seat`: per page,
         one [B, index_dim] host array per index group (prefix caching only)."""
-        keys = [self._read_page_keys(self.cache.index_keys, *self._put((np.int32(seat),
-                                                                        np.int32(p))))
-                for p in pages]
-        return [tuple(np.asarray(k) for k in page) for page in jax.device_get(keys)]
+        batches = self._page_batches(pages)
+        got = jax.device_get([self._read_page_keys(self.cache.index_keys,
+                                                   *self._put((np.int32(seat), padded)))
+                              for _, padded in batches])
+        out = []
+        for (part, _), groups in zip(batches, got, strict=True):
+            groups = [np.asarray(g) for g in groups]
+            out += [tuple(g[j] for g in groups) for j in range(len(part))]
+        return out
 
     def write_page_keys(self, seat: int, pages: list[tuple[int, tuple[np.ndarray, ...]]]
                         ) -> None:
         """Writes index keys (page, per-group [B, index_dim]) into state row `seat`'s rows of
         those pages (prefix caching: a hit's reused pages, before its prefill)."""
+        if not pages:
+            return
         index_keys = self.cache.index_keys
-        for page, keys in pages:
-            index_keys = self._write_page_keys(index_keys, *self._put((np.int32(seat),
-                                                                       np.int32(page), keys)))
+        by_page = dict(pages)
+        num_groups = len(index_keys)
+        for part, padded in self._page_batches([p for p, _ in pages]):
+            keys = []
+            for g in range(num_groups):
+                block = np.zeros((len(padded), *by_page[part[0]][g].shape),
+                                 by_page[part[0]][g].dtype)
+                block[:len(part)] = [by_page[p][g] for p in part]
+                keys.append(block)
+            index_keys = self._write_page_keys(index_keys, *self._put((np.int32(seat), padded,
+                                                                       tuple(keys))))
         self.cache = dataclasses.replace(self.cache, index_keys=tuple(index_keys))
 
     # ------------------------------------------------------------------ warmup

@@ -298,6 +298,8 @@ class Engine:
     # (class defaults: `MeshEngine` builds its own state and never has one in flight).
     _flight: _Flight | None = None
     _collected_at: float | None = None
+    # Prefix caching's index-key store (`__init__` sets it; `MeshEngine` never reuses prefixes).
+    prefix_keys: IndexKeyStore | None = None
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
                  host_pool: Any = None) -> None:

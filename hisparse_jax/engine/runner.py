@@ -15,7 +15,7 @@
     instead, one jit per padded chunk length: `Transformer.prefill_chunk` over one chunk of a
     prompt, the earlier chunks' rows read through the request's resident pages. With
     `enable_prefix_caching` there is "prefill_chunk" besides "prefill" (the rest of a prompt
-    after its prefix hit), and jitted copies of one page's index keys out of and into a seat.
+    after its prefix hit), and jitted copies of a batch of pages' index keys out of and into a seat.
   * A plan is executed in order: block-table rows -> hot resets / invalidations (every index
     group's hot state) (`apply_plan_state`) -> restores (`restore`) -> the forward (decode,
     prefills) -> spills (`after_forward`, enqueued without waiting).

@@ -16,7 +16,8 @@
 #        request), e2e_indexer (the model's indexer at 64K), e2e_deep (8 layers), cmdbuf (XLA
 #        command buffers: tokens and e2e at 256 with and without), async (asynchronous
 #        scheduling: decode check, e2e with and without, profile at 256), multiturn (prefix
-#        reuse with real chunked prefill: bench/multiturn.py)
+#        reuse with real chunked prefill: bench/multiturn.py), profile_compare (the async profile
+#        at 256 for .baseline/ and for this tree)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -68,6 +69,14 @@ run_step() {  # name, time limit in s, command...
           run_step e2e_before 280 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.e2e_decode ${cmp_args[*]} --output $OUT/e2e_before.json"
         fi
         run_step e2e_after 280 python3 -m bench.e2e_decode "${cmp_args[@]}" --output "${E2E_COMPARE_OUT:-bench/results/e2e_decode-compare-gpu.json}" ;;
+      # The async profile at 256 requests for the code in .baseline/ (when present), then for
+      # this tree: host phases before and after on the same machine, in one call.
+      profile_compare)
+        pargs=(--mode hisparse --concurrency 256 --async-scheduling)
+        if [ -d .baseline ]; then
+          run_step profile_before 220 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.profile_step ${pargs[*]} --output $OUT/profile_before.json"
+        fi
+        run_step profile_after 220 python3 -m bench.profile_step "${pargs[@]}" --output "${PROFILE_COMPARE_OUT:-bench/results/profile_step-gpu-hisparse-256-async-after.json}" ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.

@@ -8,6 +8,7 @@ from hisparse_jax.ops import (
     gather_compact,
     invalidate_written_rows,
     mirror_rows,
+    mirror_rows_group,
     resolve_residency,
     sparse_mla_decode,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "init_hot_state",
     "invalidate_written_rows",
     "mirror_rows",
+    "mirror_rows_group",
     "nn",
     "reset_rows",
     "resolve_residency",

@@ -109,19 +109,44 @@ def invalidation_width(num_blocks: int) -> int:
     return pow2_bucket(num_blocks, _MIN_BUCKET)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",))
-def _hot_updates(states: tuple[HotState, ...], packed: jax.Array, *, block_size: int
-                 ) -> tuple[HotState, ...]:
-    """Resets, then invalidations, for every hot state: `packed` int32 holds the reset rows
-    [S], the invalidated rows [S] (both padded with -1) and their host blocks [S, W]
-    (padded with -1), flattened."""
-    num_rows = states[0].slot_rows.shape[0]
+def hot_updates(states: tuple[HotState, ...], packed: jax.Array, *, block_size: int,
+                num_rows: int | None = None) -> tuple[HotState, ...]:
+    """Resets, then invalidations, for every hot state (traceable: also runs inside a
+    caller's jit, e.g. a decode step folding a small update): `packed` int32 holds the reset
+    rows [R], the invalidated rows [R] (both padded with -1) and their host blocks [R, W]
+    (padded with -1), flattened (`pack_hot_updates`); R = num_rows, default the states' S."""
+    if num_rows is None:
+        num_rows = states[0].slot_rows.shape[0]
     resets, rows = packed[:num_rows], packed[num_rows:2 * num_rows]
     blocks = packed[2 * num_rows:].reshape(num_rows, -1)
     return tuple(
         dataclasses.replace(state, slot_rows=invalidate_host_blocks(
             state.slot_rows, rows, blocks, block_size=block_size))
         for state in (reset_rows(state, resets) for state in states))
+
+
+apply_packed_hot_updates = jax.jit(hot_updates, static_argnames=("block_size", "num_rows"))
+"""`hot_updates` as one jitted call (a packed update from `pack_hot_updates`)."""
+
+
+def pack_hot_updates(plan: StepPlan | None, num_rows: int, width: int) -> np.ndarray | None:
+    """A plan's hot resets and invalidations as the int32 array `hot_updates` takes, for R =
+    `num_rows` rows and `width` blocks per invalidated row (-1 padding; None or a plan
+    without either: all padding). None when the plan does not fit (more than R resets or
+    invalidated rows, or an invalidation of more than `width` blocks)."""
+    packed = np.full(num_rows * (2 + width), -1, np.int32)
+    if plan is None or not (plan.hot_resets or plan.hot_invalidations):
+        return packed
+    if (len(plan.hot_resets) > num_rows or len(plan.hot_invalidations) > num_rows
+            or any(len(inv.host_blocks) > width for inv in plan.hot_invalidations)):
+        return None
+    packed[:len(plan.hot_resets)] = plan.hot_resets
+    packed[num_rows:num_rows + len(plan.hot_invalidations)] = [
+        inv.state_row for inv in plan.hot_invalidations]
+    blocks = packed[2 * num_rows:].reshape(num_rows, width)
+    for i, inv in enumerate(plan.hot_invalidations):
+        blocks[i, :len(inv.host_blocks)] = inv.host_blocks
+    return packed
 
 
 def apply_hot_updates(plan: StepPlan, hot_states: tuple[HotState, ...], *, block_size: int
@@ -148,14 +173,9 @@ def apply_hot_updates(plan: StepPlan, hot_states: tuple[HotState, ...], *, block
     num_rows = hot_states[0].slot_rows.shape[0]
     width = invalidation_width(max((len(inv.host_blocks) for inv in plan.hot_invalidations),
                                    default=1))
-    packed = np.full(num_rows * (2 + width), -1, np.int32)
-    packed[:len(plan.hot_resets)] = plan.hot_resets
-    packed[num_rows:num_rows + len(plan.hot_invalidations)] = [
-        inv.state_row for inv in plan.hot_invalidations]
-    blocks = packed[2 * num_rows:].reshape(num_rows, width)
-    for i, inv in enumerate(plan.hot_invalidations):
-        blocks[i, :len(inv.host_blocks)] = inv.host_blocks
-    return _hot_updates(tuple(hot_states), jnp.asarray(packed), block_size=block_size)
+    packed = pack_hot_updates(plan, num_rows, width)
+    return apply_packed_hot_updates(tuple(hot_states), jnp.asarray(packed),
+                                    block_size=block_size, num_rows=num_rows)
 
 
 def warm_hot_updates(hot_states: tuple[HotState, ...], *, block_size: int, max_blocks: int
@@ -166,7 +186,8 @@ def warm_hot_updates(hot_states: tuple[HotState, ...], *, block_size: int, max_b
     width = _MIN_BUCKET
     while True:
         none = jnp.asarray(np.full(num_rows * (2 + width), -1, np.int32))
-        jax.block_until_ready(_hot_updates(tuple(hot_states), none, block_size=block_size))
+        jax.block_until_ready(apply_packed_hot_updates(
+            tuple(hot_states), none, block_size=block_size, num_rows=num_rows))
         if width >= invalidation_width(max_blocks):
             return
         width *= 2

@@ -35,17 +35,23 @@ def _record_buckets(engine):
         fn = getattr(obj, name)
 
         @functools.wraps(fn)
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             record(*args)
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         setattr(obj, name, wrapped)
 
     wrap(runner, "dispatch_decode", lambda reqs, res: used["decode"].add(variant_name(res)))
     wrap(runner, "prefill", lambda req, blocks: used["prefill"].add(
         runner.prefill_length(len(req.prompt))))
-    wrap(runner.tables, "apply", lambda update: used["table_rows"].update(
-        pow2_bucket(len(part), 8) for part in (update.src, update.res, update.hot) if len(part)))
+    def table_rows(update):
+        used["table_rows"].update(pow2_bucket(len(part), 8)
+                                  for part in (update.src, update.res, update.hot) if len(part))
+
+    wrap(runner.tables, "apply", table_rows)
+    # A deferred update reaches the device folded into a decode step, or (read before one)
+    # by its own call at its bucket: warmup compiles that call too.
+    wrap(runner.tables, "defer", table_rows)
 
     def state(plan):
         if plan.hot_invalidations:

@@ -345,10 +345,12 @@ def test_a_failing_prefill_that_loses_the_device_arrays_fails_only_its_request(
 
 def test_a_failing_spill_copy_is_retried_and_loses_nothing(engine, reference, monkeypatch):
     transfers = engine.scheduler.transfers
-    monkeypatch.setattr(transfers, "mirror_fn", _failing_once(transfers.mirror_fn, at=2))
+    assert transfers.mirror_group_fn is not None  # the engine's spills: one call per plan
+    monkeypatch.setattr(transfers, "mirror_group_fn",
+                        _failing_once(transfers.mirror_group_fn, at=2))
     rids = _mixed(engine, 5)
     _, raised = _drain(engine)
-    assert not raised and transfers.mirror_fn.fired  # the worker reports the copy failed
+    assert not raised and transfers.mirror_group_fn.fired  # the worker reports it failed
     assert_matches_reference(engine, reference, rids)
 
 

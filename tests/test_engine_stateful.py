@@ -126,7 +126,7 @@ def engines(speculative_tokens=0):
 
     faults = {"spill": Fault("spill copy"), "decode": Fault("decode"),
               "prefill": Fault("prefill", lose=lose_cache)}
-    transfers.mirror_fn = faults["spill"].wrap(transfers.mirror_fn)
+    transfers.mirror_group_fn = faults["spill"].wrap(transfers.mirror_group_fn)  # spills
     runner.prefill = faults["prefill"].wrap(runner.prefill)  # called with the request first
     for name in ("decode_fast", "decode_hot"):
         runner.jitted[name] = faults["decode"].wrap(runner.jitted[name])

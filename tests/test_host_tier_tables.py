@@ -1,12 +1,16 @@
 """Block tables: only changed rows travel, and the device copy equals the scheduler's."""
 
+import functools
 import types
 
+import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from host_tier.scheduler.block_tables import BlockTables
-from host_tier.worker.device_tables import DeviceBlockTables
+from host_tier.worker.device_tables import DeviceBlockTables, set_rows
 
 
 def test_only_rows_that_changed_are_in_the_update():
@@ -83,3 +87,51 @@ def test_device_tables_from_config_read_max_num_reqs_max_pages_and_hot_blocks():
     with pytest.raises(ValueError, match="DeviceBlockTables.hot_blocks must be a positive int"):
         DeviceBlockTables.from_config(types.SimpleNamespace(max_num_reqs=3, max_pages=5,
                                                             hot_blocks=0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_deferred_updates_reach_every_reader_in_order(data):
+    """`defer` / `take_deferred` / `adopt` (a caller folding the update into its own jitted
+    call) and the readers that apply a deferred update themselves, mixed at random with
+    `apply`: the device tables always equal the scheduler's after each step, big updates
+    are never folded partially, and every row is counted once."""
+    S, P, H, fold = 6, 4, 2, 2
+    host = BlockTables(S, P, H)
+    device = DeviceBlockTables(S, P, H)
+    fold_call = jax.jit(functools.partial(set_rows, size=fold), donate_argnums=(0,))
+    sent = folded = 0
+    for _ in range(data.draw(st.integers(1, 12))):
+        for _ in range(data.draw(st.integers(0, 5))):
+            group = data.draw(st.sampled_from(["src", "res", "hot"]))
+            width = P if group != "hot" else H
+            row = data.draw(st.integers(0, S - 1))
+            host.set_row(group, row, data.draw(st.lists(st.integers(0, 50), max_size=width)))
+        update = host.take_update()
+        sent += len(update)
+        how = data.draw(st.sampled_from(["apply", "defer_then_fold", "defer_then_read",
+                                         "defer_twice"]))
+        if how == "apply":
+            device.apply(update)
+        elif how == "defer_then_fold":
+            device.defer(update, max_rows=fold)
+            arrays, packed = device.take_deferred(fold)
+            assert packed.shape == (device.packed_size(fold),)
+            small = max(len(update.src), len(update.res), len(update.hot)) <= fold
+            if small:
+                folded += len(update)
+            device.adopt(fold_call(arrays, jax.numpy.asarray(packed)))
+        elif how == "defer_then_read":
+            device.defer(update, max_rows=fold)
+        else:  # a second update deferred before the first was taken: both, in order
+            device.defer(update, max_rows=fold)
+            host.set_row("res", 0, [7, 7])
+            second = host.take_update()
+            sent += len(second)
+            device.defer(second, max_rows=fold)
+        got = device.as_numpy()  # a reader: applies what is still deferred
+        for group in ("src", "res", "hot"):
+            np.testing.assert_array_equal(got[group],
+                                          np.stack([host.row(group, s) for s in range(S)]))
+    assert device.rows_sent == sent
+    assert device.rows_folded == folded

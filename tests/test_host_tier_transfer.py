@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax.ops import mirror_rows, restore_rows
+from hisparse_jax.ops import mirror_rows, mirror_rows_group, restore_rows
 from host_tier.plan import (
     PageRestore,
     PageSpill,
@@ -210,3 +210,50 @@ def test_spills_of_a_plan_whose_forward_did_not_run_are_reported_failed(pool):
     engine.fail_spills(_plan(spills=[PageSpill(3, 1, 2), PageSpill(4, 2, 3)]))
     assert engine.poll() == TransferReport(failed=(3, 4))
     assert pool.arrays == before and not any(a.is_deleted() for a in before)
+
+
+@pytest.mark.parametrize("spills", [[(2, 5), (4, 1)], [(0, 3)], [(5, 0), (1, 7), (3, 2)]])
+def test_one_call_for_every_layer_copies_what_one_call_per_layer_copies(spills):
+    """`mirror_group_fn` (the data plane's `mirror_rows_group`: one dispatch per plan) and
+    `mirror_fn` per layer leave equal pools, and the group function runs once per plan."""
+    calls = []
+
+    def group(kvs, pools, device_rows, host_rows):
+        calls.append(len(kvs))
+        return mirror_rows_group(kvs, pools, device_rows, host_rows)
+
+    pools = {}
+    for name, kwargs in (("per_layer", {}), ("group", {"mirror_group_fn": group})):
+        with HostPool(num_layers=LAYERS, block_size=B, row_width=W, dtype=np.float32,
+                      num_blocks=8) as pool:
+            engine = TransferEngine(pool, mirror_fn=mirror_rows, **kwargs)
+            engine.after_forward(_plan(spills=[PageSpill(i, device_block=d, host_block=h)
+                                               for i, (d, h) in enumerate(spills)]), _caches())
+            assert engine.poll(wait=True).completed == tuple(range(len(spills)))
+            pools[name] = [np.array(pool.layer(i)) for i in range(LAYERS)]
+            assert all(pool.layer(i).sharding.memory_kind == pool.sharding.memory_kind
+                       for i in range(LAYERS))
+    assert calls == [LAYERS]
+    kv = _caches()
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(pools["group"][layer], pools["per_layer"][layer])
+        for d, h in spills:  # and the rows are the device pages', not zeros
+            np.testing.assert_array_equal(pools["group"][layer][h], np.array(kv[layer][d]))
+
+
+def test_a_raising_group_mirror_fails_the_plan_and_keeps_the_pool():
+    def group(kvs, pools, device_rows, host_rows):
+        raise RuntimeError("injected")
+
+    with HostPool(num_layers=LAYERS, block_size=B, row_width=W, dtype=np.float32,
+                  num_blocks=8) as pool:
+        before = [np.array(pool.layer(i)) for i in range(LAYERS)]
+        engine = TransferEngine(pool, mirror_fn=mirror_rows, mirror_group_fn=group)
+        engine.after_forward(_plan(spills=[PageSpill(3, device_block=1, host_block=2)]),
+                             _caches())
+        report = engine.poll()
+        assert report.failed == (3,) and not report.completed
+        for i in range(LAYERS):
+            np.testing.assert_array_equal(np.array(pool.layer(i)), before[i])
+    with pytest.raises(ValueError, match="mirror_group_fn must be callable"):
+        TransferEngine(pool, mirror_fn=mirror_rows, mirror_group_fn=3)

@@ -11,8 +11,10 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.state import (
     HotState,
     apply_hot_updates,
+    hot_updates,
     init_hot_state,
     invalidate_host_blocks,
+    pack_hot_updates,
 )
 from host_tier.plan import HotInvalidation, StepPlan, TableRows, TableUpdate
 
@@ -78,6 +80,40 @@ def test_apply_hot_updates_equals_resetting_then_invalidating_row_by_row(data):
         want_rows[inv.state_row][stale] = -1
     np.testing.assert_array_equal(np.array(out.slot_rows), want_rows)
     np.testing.assert_array_equal(np.array(out.lru), want_lru)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_a_small_packed_update_equals_apply_hot_updates_and_a_large_one_does_not_pack(data):
+    """`pack_hot_updates` + `hot_updates` with R rows of width W (what a decode step folds
+    into its executable) apply exactly what `apply_hot_updates` applies; a plan that does not
+    fit R x W packs to None, and no plan packs to padding that changes nothing."""
+    S, H, B, R, W = 6, 5, 4, 3, 2
+    slot_rows = np.array(data.draw(st.lists(st.integers(-1, 47), min_size=S * H,
+                                            max_size=S * H)), np.int32).reshape(S, H)
+    lru = np.tile(np.arange(H, dtype=np.int16)[::-1], (S, 1))
+    states = (HotState(jnp.asarray(slot_rows), jnp.asarray(lru)),
+              HotState(jnp.asarray(slot_rows[::-1].copy()), jnp.asarray(lru)))
+    resets = data.draw(st.lists(st.integers(0, S - 1), unique=True, max_size=S))
+    inv_rows = data.draw(st.lists(st.integers(0, S - 1), unique=True, max_size=S))
+    invalidations = [HotInvalidation(r, tuple(data.draw(st.lists(st.integers(0, 11), min_size=1,
+                                                                  max_size=3, unique=True))))
+                     for r in inv_rows]
+    plan = _plan(resets, invalidations)
+    packed = pack_hot_updates(plan, R, W)
+    fits = (len(resets) <= R and len(inv_rows) <= R
+            and all(len(inv.host_blocks) <= W for inv in invalidations))
+    assert (packed is not None) == fits
+    if packed is not None:
+        got = hot_updates(states, jnp.asarray(packed), block_size=B, num_rows=R)
+        want = apply_hot_updates(plan, states, block_size=B)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.array(g.slot_rows), np.array(w.slot_rows))
+            np.testing.assert_array_equal(np.array(g.lru), np.array(w.lru))
+    none = hot_updates(states, jnp.asarray(pack_hot_updates(None, R, W)), block_size=B,
+                       num_rows=R)
+    for g, w in zip(none, states, strict=True):
+        np.testing.assert_array_equal(np.array(g.slot_rows), np.array(w.slot_rows))
 
 
 def test_hot_state_of_a_config_is_empty():

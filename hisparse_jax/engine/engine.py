@@ -88,7 +88,7 @@ from hisparse_jax.engine.residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.runner import DecodeResult, PendingDecode, Runner, variant_name
 from hisparse_jax.engine.scheduler import Scheduler
 from hisparse_jax.nn import Transformer
-from hisparse_jax.ops import mirror_rows, restore_rows
+from hisparse_jax.ops import mirror_rows, mirror_rows_group, restore_rows
 from host_tier import CapacityError, Coordinator, DeviceBlockTables, HostPool, TransferEngine
 from host_tier.plan import StepPlan
 from host_tier.scheduler.prefix_cache import page_hash
@@ -355,7 +355,9 @@ class Engine:
                                      f"host tier: {e}") from e
                 transfers = TransferEngine(
                     host_pool, mirror_fn=functools.partial(mirror_rows, backend=ec.ops_backend),
-                    restore_fn=functools.partial(restore_rows, backend=ec.ops_backend))
+                    restore_fn=functools.partial(restore_rows, backend=ec.ops_backend),
+                    mirror_group_fn=functools.partial(mirror_rows_group,
+                                                      backend=ec.ops_backend))
             else:
                 manager, transfers = StaticResidency(cfg), NoTransfers()
             self.runner = Runner(model, ec, cfg, residency,

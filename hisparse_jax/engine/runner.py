@@ -54,14 +54,34 @@ from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.sampler import base_key, sample, token_keys
 from hisparse_jax.nn import DecodeBatch, DecodeCache, Transformer
-from hisparse_jax.state import apply_hot_updates, invalidation_width, warm_hot_updates
+from hisparse_jax.state import (
+    apply_hot_updates,
+    apply_packed_hot_updates,
+    hot_updates,
+    invalidation_width,
+    pack_hot_updates,
+    warm_hot_updates,
+)
 from host_tier.plan import StepPlan, TableRows, TableUpdate
 from host_tier.sizes import pow2_bucket, round_up
 from host_tier.worker.device_tables import MIN_ROWS_BUCKET as _TABLE_BUCKET
+from host_tier.worker.device_tables import set_rows, table_update_size
 from host_tier.worker.transfer import MIN_ROWS_BUCKET as _SPILL_BUCKET
 
 # Donation is a no-op on some CPU builds; the warning says nothing actionable here.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+TABLE_FOLD_ROWS = 16
+"""Block-table rows per table that a decode step applies inside its own executable (a
+plan's table update of at most this many rows per table is deferred to the next decode
+step; a larger one is applied by its own call, `DeviceBlockTables.defer`)."""
+
+HOT_FOLD_ROWS, HOT_FOLD_WIDTH = 16, 8
+"""A plan's hot resets and invalidations that a decode step applies inside its own
+executable: at most HOT_FOLD_ROWS resets and invalidated rows, each of at most
+HOT_FOLD_WIDTH host blocks (the typical step under pressure: a few pages spilled, one block
+each); a larger update is applied by its own call (`apply_hot_updates`)."""
 
 
 def _pow2_sizes(lo: int, hi: int) -> list[int]:
@@ -247,6 +267,23 @@ class Runner:
             self._key_pages = min(256, -(-self.cfg.max_model_len // self.cfg.block_size))
             self._read_page_keys, self._write_page_keys = self._jit_page_keys()
 
+    @property
+    def cache(self) -> DecodeCache:
+        """The device cache; a hot-state update still deferred for the next decode step
+        (`apply_plan_state`) is applied first, so every reader sees the plan's state."""
+        if self._hot_deferred is not None:
+            packed, self._hot_deferred = self._hot_deferred, None
+            kv = self._cache.kv
+            hot = apply_packed_hot_updates(kv.hot, self._put(packed),
+                                           block_size=self.cfg.block_size,
+                                           num_rows=HOT_FOLD_ROWS)
+            self._cache = dataclasses.replace(self._cache, kv=dataclasses.replace(kv, hot=hot))
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: DecodeCache) -> None:
+        self._cache = cache
+
     def _put(self, tree: Any) -> Any:
         """Commits a pytree of arrays to the runner's device."""
         return jax.device_put(tree, self.device)
@@ -258,6 +295,7 @@ class Runner:
         # With an external top-k source the indexer never runs: no key cache to speak of.
         key_shape = ((1, 1, mc.index_dim) if ec.topk_source is not None
                      else (cfg.max_num_reqs, cfg.max_model_len, mc.index_dim))
+        self._hot_deferred: np.ndarray | None = None  # `apply_plan_state`, fresh state: none
         kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=self.residency,
                                     index_group_size=mc.index_group_size,
                                     ops_backend=ec.ops_backend)
@@ -271,8 +309,8 @@ class Runner:
                 num_groups=mc.num_groups, top_k=mc.top_k))
 
     def _device_arrays(self) -> list[jax.Array]:
-        return (jax.tree.leaves(self.cache) + jax.tree.leaves(self.topk_state)
-                + [self.tables.src, self.tables.res, self.tables.hot])
+        return (jax.tree.leaves(self._cache) + jax.tree.leaves(self.topk_state)
+                + list(self.tables.arrays))
 
     def _lost_pool_layers(self) -> list[int]:
         if self.host_pool is None:
@@ -306,11 +344,22 @@ class Runner:
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """A plan's table rows, then its hot resets / invalidations. Idempotent: applying a
-        plan's state again changes nothing more."""
-        self.tables.apply(plan.tables)
+        plan's state again changes nothing more.
+
+        The table rows and hot updates of a typical decode step (`TABLE_FOLD_ROWS`,
+        `HOT_FOLD_ROWS`) are deferred: the next decode step applies them inside its own
+        executable (`_decode`); anything else that reads the tables or the cache first
+        applies them then (`DeviceBlockTables.defer`, the `cache` property)."""
+        self.tables.defer(plan.tables, max_rows=TABLE_FOLD_ROWS)
         if not (plan.hot_resets or plan.hot_invalidations):
-            return  # the common decode step: nothing else to apply
-        kv = self.cache.kv
+            return  # nothing else to apply
+        cache = self.cache  # an update deferred earlier goes first
+        if cache.kv.hot:
+            packed = pack_hot_updates(plan, HOT_FOLD_ROWS, HOT_FOLD_WIDTH)
+            if packed is not None:
+                self._hot_deferred = packed
+                return
+        kv = cache.kv
         kv = dataclasses.replace(kv, hot=apply_hot_updates(plan, kv.hot,
                                                            block_size=self.cfg.block_size))
         self.cache = dataclasses.replace(self.cache, kv=kv)
@@ -383,13 +432,19 @@ class Runner:
                 prev_index = np.full(self.cfg.max_num_reqs, -1, np.int32)
             host_arrays = (*host_arrays, prev_index)
             extra = (self._no_prev_tokens if prev_tokens is None else prev_tokens,)
-        inputs = self._put(np.concatenate([a.reshape(-1).view(np.int32) for a in host_arrays]))
+        tables, table_rows = self.tables.take_deferred(TABLE_FOLD_ROWS)
+        hot_rows = self._hot_deferred
+        if hot_rows is None:
+            hot_rows = pack_hot_updates(None, HOT_FOLD_ROWS, HOT_FOLD_WIDTH)
+        inputs = self._put(np.concatenate([a.reshape(-1).view(np.int32) for a in host_arrays]
+                                          + [table_rows, hot_rows]))
         host_pools = self.host_pool.arrays if residency.reads_host else ()
-        tables = (self.tables.src, self.tables.res, self.tables.hot)
-        cache = _with_residency(self.cache, residency)
-        next_tokens, cache, aux = self.jitted[variant_name(residency)](
+        cache = _with_residency(self._cache, residency)
+        next_tokens, cache, aux, tables = self.jitted[variant_name(residency)](
             self.params, cache, inputs, tables, host_pools, self.sample_key, self.topk_state,
             *extra)
+        self._hot_deferred = None  # in the new cache now
+        self.tables.adopt(tables)
         self._set_cache(cache)
         return next_tokens, aux
 
@@ -398,8 +453,14 @@ class Runner:
         """Waits for a dispatched decode step's tokens and counters. Its `seconds` run from
         the dispatch, or from `since` when later (async scheduling: the previous step's
         collection, so that overlapping steps do not count the same time twice)."""
-        out, hits, misses = jax.device_get((pending.tokens, pending.aux["hits"],
-                                            pending.aux["misses"]))
+        # One device-to-host copy: the step packed its tokens and counter sums (`_jit_decode`).
+        flat = np.asarray(pending.aux["to_host"])
+        parts, at = [], 0
+        for leaf in jax.tree.leaves(pending.tokens):
+            parts.append(flat[at:at + leaf.size].reshape(leaf.shape))
+            at += leaf.size
+        out = jax.tree.unflatten(jax.tree.structure(pending.tokens), parts)
+        hits, misses = flat[at:at + 2]
         started = pending.started if since is None else max(pending.started, since)
         seconds = time.perf_counter() - started
         S = self.cfg.max_num_reqs
@@ -412,7 +473,7 @@ class Runner:
             tokens, counts, drafts = out[:, None], np.ones(S, np.int32), None
             if attention is not None:
                 attention = attention[:, :, None]
-        return DecodeResult(tokens, counts, int(hits.sum()), int(misses.sum()), attention,
+        return DecodeResult(tokens, counts, int(hits), int(misses), attention,
                             seconds, compiled=CompileWatch.count != pending.compiles,
                             drafts=drafts)
 
@@ -595,12 +656,12 @@ class Runner:
             bucket up to S rows per table: the current rows sent again;
           * the hot-state updates (`hisparse_jax.state.warm_hot_updates`) for invalidations of
             up to max_pages blocks;
-          * the transfer worker's spill copies (`mirror_fn`) of every row-list bucket up to
-            `max_spill_pages` pages per plan (the coordinator's spill budget), every row -1
-            (skipped), into every layer's pool. Restores are planned only with prefix
-            caching (`EngineConfig.enable_prefix_caching`); with it, the restore copies
-            (`restore_fn`) of every row-list bucket up to every device block's rows, every row
-            -1, the chunk prefill at every length a hit's rest can take (up to
+          * the transfer worker's spill copies (`mirror_group_fn`, else `mirror_fn`) of every
+            row-list bucket up to `max_spill_pages` pages per plan (the coordinator's spill
+            budget), every row -1 (skipped), into every layer's pool. Restores are planned
+            only with prefix caching (`EngineConfig.enable_prefix_caching`); with it, the
+            restore copies (`restore_fn`) of every row-list bucket up to every device block's
+            rows, every row -1, the chunk prefill at every length a hit's rest can take (up to
             max_model_len - 1 without prefill_chunk_size) and the page index-key copies (read
             and written back unchanged at seat 0) are compiled too.
         """
@@ -637,6 +698,9 @@ class Runner:
         if self.residency.reads_host:
             warm_hot_updates(self.cache.kv.hot, block_size=cfg.block_size,
                              max_blocks=cfg.max_pages)
+            # A deferred hot update that a reader applies itself (the `cache` property).
+            self._hot_deferred = pack_hot_updates(None, HOT_FOLD_ROWS, HOT_FOLD_WIDTH)
+            jax.block_until_ready(self.cache.kv.hot)
             warmed["invalidation_widths"] = _pow2_sizes(invalidation_width(1),
                                                         invalidation_width(cfg.max_pages))
             warmed["spill_rows"] = self._warm_spills(max_spill_pages)
@@ -658,10 +722,15 @@ class Runner:
         """The spill copies of every row-list bucket (`host_tier/worker/transfer.py`: row
         lists padded with -1 to a power of two >= its MIN_ROWS_BUCKET); returns the sizes."""
         pool, mirror = self.host_pool, self.transfers.mirror_fn
+        group = getattr(self.transfers, "mirror_group_fn", None)
         sharding = self.transfers.index_sharding
         top = pow2_bucket(max_spill_pages * self.cfg.block_size, _SPILL_BUCKET)
         for size in _pow2_sizes(_SPILL_BUCKET, top):
             rows = jax.device_put(np.full(size, -1, np.int32), sharding)
+            if group is not None:
+                for i, new in enumerate(group(self.cache.kv.caches, pool.arrays, rows, rows)):
+                    pool.replace_layer(i, new)
+                continue
             for i, kv in enumerate(self.cache.kv.caches):
                 pool.replace_layer(i, mirror(kv, pool.layer(i), rows, rows))
         jax.block_until_ready(pool.arrays)
@@ -714,8 +783,14 @@ class Runner:
         int32 array: one host-to-device copy per step instead of six (each a fixed cost of
         tens of microseconds on a GPU host). With `feeds_back` (async scheduling) a seventh,
         prev_index int32[S], picks rows whose token is the previous step's device token
-        (`prev_tokens`, an extra argument: the step reads it without a host round trip)."""
+        (`prev_tokens`, an extra argument: the step reads it without a host round trip).
+        Last in the packed array, the block tables' deferred rows (`TABLE_FOLD_ROWS` per
+        table, `DeviceBlockTables.take_deferred`) and the deferred hot updates
+        (`HOT_FOLD_ROWS`, `pack_hot_updates`), applied to the tables (donated) and the hot
+        states before the step reads them: the step returns (tokens, cache, aux, tables),
+        aux["to_host"] the tokens and the hit / miss sums in one int32 array."""
         step = self._wrap(self.decode_fn(), name)
+        block_size = self.cfg.block_size
         specs = [(a.shape, a.dtype) for a in self._idle_inputs()]
         feeds_back = self.feeds_back
         if feeds_back:  # prev_index int32[S] (`_decode`)
@@ -734,11 +809,23 @@ class Runner:
                 prev_index = parts.pop()
                 taken = prev_tokens[jnp.maximum(prev_index, 0)]
                 parts[0] = jnp.where(prev_index >= 0, taken, parts[0])
+            table_size = table_update_size(tables, TABLE_FOLD_ROWS)
+            tables = set_rows(tuple(tables), inputs[at:at + table_size], size=TABLE_FOLD_ROWS)
+            kv = cache.kv
+            if kv.hot:  # the deferred hot resets / invalidations (`HOT_FOLD_ROWS`)
+                hot = hot_updates(kv.hot, inputs[at + table_size:], block_size=block_size,
+                                  num_rows=HOT_FOLD_ROWS)
+                cache = dataclasses.replace(cache, kv=dataclasses.replace(kv, hot=hot))
             tokens, positions, state_rows, temperature, seeds, steps = parts
-            return step(params, cache, tokens, positions, state_rows, tables, host_pools,
-                        temperature, key, seeds, topk_state, steps)
+            out, cache, aux = step(params, cache, tokens, positions, state_rows, tables,
+                                   host_pools, temperature, key, seeds, topk_state, steps)
+            # What the host reads of the step, as one array (one copy: `collect_decode`).
+            aux["to_host"] = jnp.concatenate(
+                [x.reshape(-1).astype(jnp.int32) for x in jax.tree.leaves(out)]
+                + [jnp.stack([aux["hits"].sum(), aux["misses"].sum()]).astype(jnp.int32)])
+            return out, cache, aux, tables
 
-        return jax.jit(packed_step, donate_argnames=("cache",))
+        return jax.jit(packed_step, donate_argnames=("cache", "tables"))
 
     def decode_fn(self) -> Callable[..., Any]:
         """The decode step before `jax.jit`: (params, cache, tokens, positions, state_rows,

@@ -5,6 +5,7 @@
   gather_compact                   host pool -> device cache rows, one layer (`copies.py`)
   gather_compact_group             the same plan into every layer of an index group
   mirror_rows                      device cache -> host pool rows (`copies.py`)
+  mirror_rows_group                the same row list into every layer's pool, one call
   restore_rows                     host -> device rows of the host tier's restores
   stage_prefill_rows, StagedRows   a prefill chunk's selected rows -> per-layer staging
                                    buffers, resident copy first, else host (`staging.py`)
@@ -25,6 +26,7 @@ from hisparse_jax.ops.copies import (
     gather_compact,
     gather_compact_group,
     mirror_rows,
+    mirror_rows_group,
     restore_rows,
 )
 from hisparse_jax.ops.residency import Resolution, invalidate_written_rows, resolve_residency
@@ -40,6 +42,7 @@ __all__ = [
     "gather_compact_group",
     "invalidate_written_rows",
     "mirror_rows",
+    "mirror_rows_group",
     "registered_backends",
     "resolve_residency",
     "restore_rows",

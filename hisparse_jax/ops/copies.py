@@ -1,6 +1,6 @@
 """The host <-> device row copies: `gather_compact` (one layer), `gather_compact_group` (every
-layer of an index group), `mirror_rows` (device -> host) and `restore_rows` (host -> device,
-the host tier's page restores).
+layer of an index group), `mirror_rows` (device -> host; `mirror_rows_group`: every layer in
+one call) and `restore_rows` (host -> device, the host tier's page restores).
 
 The pool lives in pinned_host memory: [host_rows, W] or [host_blocks, B, W]; the caches are
 [num_blocks, B, W] on the device, of the pool's dtype. Rows are copied as opaque elements of
@@ -133,6 +133,53 @@ def mirror_rows(
                                host_rows)
     sharding = host_pool.sharding if _checks.is_concrete(host_pool) else None
     return _mirror_jit(sharding)(kv_cache, host_pool, device_rows, host_rows, backend=backend)
+
+
+def _mirror_group_body(kv_caches, host_pools, device_rows, host_rows, *, backend):
+    mirror = _registry.implementation("mirror_rows", backend)
+    return tuple(mirror(kv, pool, device_rows, host_rows)
+                 for kv, pool in zip(kv_caches, host_pools, strict=True))
+
+
+@functools.cache
+def _mirror_group_jit(out_shardings):
+    """The jitted `mirror_rows_group`; `out_shardings` (the pools' own, or None inside a
+    user's jit) keeps the updated pools in pinned_host memory (`_mirror_jit`)."""
+    kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
+    return jax.jit(_mirror_group_body, static_argnames=("backend",),
+                   donate_argnames=("host_pools",), **kwargs)
+
+
+def mirror_rows_group(
+    kv_caches: Sequence[jax.Array],
+    host_pools: Sequence[jax.Array],
+    device_rows: jax.Array,
+    host_rows: jax.Array,
+    *,
+    backend: str | None = None,
+) -> tuple[jax.Array, ...]:
+    """`mirror_rows` of one row list into every layer's pool, as ONE jitted call (one
+    dispatch per spill plan instead of one per layer).
+
+    kv_caches[l]: [num_blocks, B, W] on the device. host_pools[l]: layer l's pool (as
+    `mirror_rows`), donated; returned updated (a tuple, same memory kinds). device_rows,
+    host_rows: int32[R], as `mirror_rows`, the same for every layer.
+    """
+    kv_caches, host_pools = tuple(kv_caches), tuple(host_pools)
+    if len(kv_caches) != len(host_pools):
+        raise ValueError(f"mirror_rows_group: kv_caches has {len(kv_caches)} layers, "
+                         f"host_pools {len(host_pools)}; they must have one each per layer")
+    if not kv_caches:
+        return ()
+    for pool, kv in zip(host_pools, kv_caches, strict=True):
+        _checks.validate_pool_and_cache(pool, kv)
+    _checks.check_same_length("device_rows", device_rows, "host_rows", host_rows)
+    backend = _registry.select("mirror_rows", backend, kv_caches[0], host_pools[0],
+                               device_rows, host_rows)
+    shardings = (tuple(p.sharding for p in host_pools)
+                 if all(_checks.is_concrete(p) for p in host_pools) else None)
+    return _mirror_group_jit(shardings)(kv_caches, host_pools, device_rows, host_rows,
+                                        backend=backend)
 
 
 def restore_rows(

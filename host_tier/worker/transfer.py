@@ -11,6 +11,9 @@ turns plan entries into row lists and calls the data-plane copy functions it was
   - `restore_fn(host_pool, kv_cache, host_rows, device_rows) -> kv_cache`: device row
     `device_rows[i]` := host row `host_rows[i]`, same row lists and skipping rules, `kv_cache`
     donated (the data plane's `hisparse_jax.ops.restore_rows`). Only partial prefix hits need it.
+  - optionally `mirror_group_fn(kv_caches, host_pools, device_rows, host_rows) -> host_pools`:
+    `mirror_fn` of one row list into every layer at once, one call (the data plane's
+    `hisparse_jax.ops.mirror_rows_group`): a spill plan costs one dispatch, not one per layer.
 
 The caller passes these functions in: this module never imports the data plane. For CPU tests,
 `host_tier/testing.py` has jnp references of both.
@@ -30,6 +33,7 @@ engine checks readiness before each new dispatch donates the array, and in `poll
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,9 +42,11 @@ from host_tier.plan import StepPlan, TransferReport
 from host_tier.sizes import pow2_bucket
 from host_tier.worker.host_pool import HostPool
 
-__all__ = ["MirrorFn", "RestoreFn", "TransferEngine", "TransferLostError"]
+__all__ = ["MirrorFn", "MirrorGroupFn", "RestoreFn", "TransferEngine", "TransferLostError"]
 
 MirrorFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+MirrorGroupFn = Callable[[Sequence[jax.Array], Sequence[jax.Array], jax.Array, jax.Array],
+                         Sequence[jax.Array]]
 RestoreFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 MIN_ROWS_BUCKET = 64
@@ -70,16 +76,23 @@ class TransferEngine:
       host_pool: the pinned pool; its arrays are replaced by the results of `mirror_fn`.
       mirror_fn: device -> host row copy (see module docstring).
       restore_fn: host -> device row copy; required only when a plan carries restores.
+      mirror_group_fn: every layer's device -> host copy in one call; when given, spills use
+        it instead of one `mirror_fn` call per layer.
     """
 
     def __init__(self, host_pool: HostPool, *, mirror_fn: MirrorFn,
-                 restore_fn: RestoreFn | None = None) -> None:
+                 restore_fn: RestoreFn | None = None,
+                 mirror_group_fn: MirrorGroupFn | None = None) -> None:
         if not callable(mirror_fn):
             raise ValueError(f"TransferEngine.mirror_fn must be callable, got {mirror_fn!r}")
         if restore_fn is not None and not callable(restore_fn):
             raise ValueError(f"TransferEngine.restore_fn must be callable, got {restore_fn!r}")
+        if mirror_group_fn is not None and not callable(mirror_group_fn):
+            raise ValueError(f"TransferEngine.mirror_group_fn must be callable, got "
+                             f"{mirror_group_fn!r}")
         self.host_pool = host_pool
         self.mirror_fn = mirror_fn
+        self.mirror_group_fn = mirror_group_fn
         self.restore_fn = restore_fn
         self.block_size = host_pool.block_size
         devices = host_pool.sharding.device_set
@@ -144,7 +157,7 @@ class TransferEngine:
         When `mirror_fn` raises (or returns an array the pool refuses), the plan's spills are
         reported failed by the next `poll`; the layers already copied keep their new pool
         arrays (the failed pages' host rows there are written but never read: the pages are not
-        clean), the others their old ones.
+        clean), the others their old ones. With `mirror_group_fn` it is all layers or none.
 
         Raises:
           ValueError: wrong number of layers.
@@ -159,16 +172,28 @@ class TransferEngine:
         try:
             B = self.block_size
             counts = [B] * len(plan.spills)
-            device_rows = self._put(_page_rows([s.device_block for s in plan.spills], counts, B))
-            host_rows = self._put(_page_rows([s.host_block for s in plan.spills], counts, B))
-            for layer, kv in enumerate(kv_caches):
-                pool = self.mirror_fn(kv, self.host_pool.layer(layer), device_rows, host_rows)
-                self.host_pool.replace_layer(layer, pool)
+            device_rows, host_rows = self._put(
+                (_page_rows([s.device_block for s in plan.spills], counts, B),
+                 _page_rows([s.host_block for s in plan.spills], counts, B)))
+            if self.mirror_group_fn is not None:
+                layer = 0
+                pools = self.mirror_group_fn(kv_caches, self.host_pool.arrays, device_rows,
+                                             host_rows)
+                for i, pool in enumerate(pools):
+                    self.host_pool.replace_layer(i, pool)
+            else:
+                for layer, kv in enumerate(kv_caches):
+                    pool = self.mirror_fn(kv, self.host_pool.layer(layer), device_rows,
+                                          host_rows)
+                    self.host_pool.replace_layer(layer, pool)
         except Exception as error:
-            if layer is not None and _deleted(self.host_pool.layer(layer)):
+            lost = ([] if layer is None else
+                    [i for i in range(self.host_pool.num_layers)
+                     if _deleted(self.host_pool.layer(i))])
+            if lost:
                 raise TransferLostError(
                     f"TransferEngine: mirror_fn raised ({error!r}) after consuming the host "
-                    f"pool array of layer {layer}; the pool's rows are lost") from error
+                    f"pool array of layer {lost[0]}; the pool's rows are lost") from error
             self._failed.extend(ids)
             return
         self._enqueued.extend(ids)
@@ -211,7 +236,8 @@ class TransferEngine:
                 f"({self.host_pool.num_layers}), got {len(kv_caches)}")
         return kv_caches
 
-    def _put(self, rows: np.ndarray) -> jax.Array:
+    def _put(self, rows: Any) -> Any:
+        """Row lists (an array or a tuple of them: one transfer call) to the copies' device."""
         return jax.device_put(rows, self.index_sharding)
 
 

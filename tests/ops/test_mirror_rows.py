@@ -131,3 +131,62 @@ def test_gpu_mirror_into_pinned_pool_in_place(row):
     want = pool_np.reshape(-1, width).copy()
     want[dest] = cache_np.reshape(-1, width)[device_rows]
     np.testing.assert_array_equal(bits(got).reshape(-1, width), bits(want))
+
+
+def _group_case(rng, row, layers, block, num_blocks, host_blocks, r):
+    width, make_rows = ROWS[row]
+    pools = [make_rows(rng, (host_blocks, block, width)) for _ in range(layers)]
+    caches = [make_rows(rng, (num_blocks, block, width)) for _ in range(layers)]
+    device_rows = rng.permutation(num_blocks * block)[:r].astype(np.int32)
+    dest = rng.permutation(host_blocks * block)[:r].astype(np.int32)
+    device_rows[::5] = -1  # skipped entries (the transfer worker's padding)
+    want = [p.reshape(-1, width).copy() for p in pools]
+    for w, c in zip(want, caches, strict=True):
+        keep = device_rows >= 0
+        w[dest[keep]] = c.reshape(-1, width)[device_rows[keep]]
+    return pools, caches, device_rows, dest, want, width
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("row", list(ROWS))
+@settings(max_examples=examples(0.15))
+@given(seed=st.integers(0, 2**32 - 1), layers=st.integers(1, 3))
+def test_group_equals_one_mirror_per_layer(backend, row, seed, layers):
+    """`mirror_rows_group`: one call writes each layer's rows into that layer's pool, the
+    pools stay pinned_host and are donated, every other row survives."""
+    rng = np.random.default_rng(seed)
+    pools, caches, device_rows, dest, want, width = _group_case(rng, row, layers, 4, 6, 10, 9)
+    pools = [to_host(p) for p in pools]
+    got = hs.mirror_rows_group([jnp.asarray(c) for c in caches], pools,
+                               jnp.asarray(device_rows), jnp.asarray(dest), backend=backend)
+    assert len(got) == layers and all(p.is_deleted() for p in pools)
+    for g, w in zip(got, want, strict=True):
+        assert g.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(bits(g).reshape(-1, width), bits(w))
+
+
+def test_group_validation(pinned_host):
+    pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)
+    cache = jnp.zeros((2, 4, W), jnp.float32)
+    rows = jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match="kv_caches has 2 layers, host_pools 1"):
+        hs.mirror_rows_group([cache, cache], [pool], rows, rows)
+    with pytest.raises(ValueError, match="same length"):
+        hs.mirror_rows_group([cache], [pool], rows, jnp.zeros(2, jnp.int32))
+    assert hs.mirror_rows_group([], [], rows, rows) == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", list(ROWS))
+def test_gpu_group_mirror_into_pinned_pools_in_place(row):
+    """4,096 rows into two layers' pinned pools of 131,072 rows, default backend, one call."""
+    rng = np.random.default_rng(3)
+    pools, caches, device_rows, dest, want, width = _group_case(rng, row, 2, 64, 256, 2048,
+                                                                4096)
+    pools = [to_host(p) for p in pools]
+    got = hs.mirror_rows_group([jnp.asarray(c) for c in caches], pools,
+                               jnp.asarray(device_rows), jnp.asarray(dest))
+    assert all(p.is_deleted() for p in pools), "the pools were not donated"
+    for g, w in zip(got, want, strict=True):
+        assert g.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(bits(g).reshape(-1, width), bits(w))

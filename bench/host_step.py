@@ -12,6 +12,10 @@ unpin their pages), with a transfer worker that completes every copy at the next
   * the collection of the sampled tokens (`hisparse_jax.engine.engine.record_decode`:
     `Scheduler.collected` / `record` per request), with token 5 sampled by every request.
 
+Timed apart, after each step (not in the step's figures): the asynchronous engine's
+`Coordinator.set_token_ids` call (the real id of every running request's last token, the
+update list built as `Engine._land` builds it), reported as `set_token_ids`.
+
 Two simulations run the same workload side by side, measured in alternating blocks of steps:
 "batched" (the engine's path: one `Coordinator.schedule_batch` call for the running
 requests) and "per_request" (the baseline: one `Coordinator.schedule` call per request).
@@ -116,6 +120,7 @@ class Simulation:
                                    counts=np.ones(S, np.int32), hits=0, misses=0,
                                    attention=None, seconds=0.0)
         self.steps = 0
+        self.set_token_samples: list[float] = []  # seconds per `set_token_ids` call
 
     def step(self) -> None:
         sch = self.scheduler
@@ -142,12 +147,25 @@ class Simulation:
             self.step()
         return self.steps
 
+    def set_token_ids(self) -> None:
+        """The asynchronous engine's update of every running request's last token the
+        coordinator counted (the ids it already has: nothing changes)."""
+        self.coordinator.set_token_ids(
+            [(req.request_id, len(req.prompt) + i, req.generated[i])
+             for req in self.scheduler.running.values() if req.counted
+             for i in (req.counted - 1,)])
+
     def timed_steps(self, n: int) -> list[float]:
+        """Runs n steps and returns their times; times a `set_token_ids` after each (kept in
+        `set_token_samples`)."""
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
             self.step()
-            out.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.set_token_ids()
+            self.set_token_samples.append(time.perf_counter() - t1)
+            out.append(t1 - t0)
         return out
 
 
@@ -172,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         ramps[mode] = sim.ramp()
         sim.timed_steps(args.warmup_steps)
     samples: dict[str, list[float]] = {mode: [] for mode in sims}
+    for sim in sims.values():
+        sim.set_token_samples.clear()  # the ramp's and warmup's
     while len(samples["batched"]) < args.steps:
         n = min(BLOCK_STEPS, args.steps - len(samples["batched"]))
         for mode, sim in sims.items():
@@ -195,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(xs)} steps after a ramp of {ramps[mode]})", flush=True)
     ratio = figures["per_request"]["p50_ms"] / figures["batched"]["p50_ms"]
     print(f"per_request / batched (p50): {ratio:.2f}x")
+    xs = sims["batched"].set_token_samples
+    set_tokens = {"p50_ms": 1e3 * statistics.median(xs), "mean_ms": 1e3 * statistics.fmean(xs),
+                  "p95_ms": 1e3 * float(np.percentile(xs, 95)), "calls": len(xs)}
+    print(f"set_token_ids (batched, apart from the step): p50 {set_tokens['p50_ms']:.3f} ms, "
+          f"mean {set_tokens['mean_ms']:.3f} ms, p95 {set_tokens['p95_ms']:.3f} ms")
 
     if args.profile:
         profile = cProfile.Profile()
@@ -210,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     "unpinned_pages": b.stats["unpinned_pages"],
                     "lost_pages": b.stats["lost_pages"]},
         "modes": figures,
+        "set_token_ids": set_tokens,
         "figure": {"name": "host ms per decode step (p50), batched",
                    "value": figures["batched"]["p50_ms"],
                    "baseline": "per_request (one Coordinator.schedule call per request), "
@@ -217,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                    "baseline_value": figures["per_request"]["p50_ms"],
                    "ratio": figures["batched"]["p50_ms"] / figures["per_request"]["p50_ms"]},
         "note": "CPU only, no model: Scheduler.schedule + fill_decode_inputs + record_decode "
-                "per step; copies complete at the next poll",
+                "per step; copies complete at the next poll; set_token_ids (the async "
+                "engine's per-step update of every running request's last token) timed apart",
     }
     path = write_result("host_step", payload, args.output)
     print(f"-> {path}")

@@ -262,8 +262,9 @@ def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
     counts, tokens = result.counts.tolist(), result.tokens.tolist()
     drafts = result.drafts.tolist() if result.drafts is not None else None
     attention = result.attention
+    collected, record = scheduler.collected, scheduler.record
     for req in reqs:
-        scheduler.collected(req, batch)
+        collected(req, batch)
         if req.finish_reason is not None:
             continue
         seat = req.seat
@@ -279,7 +280,7 @@ def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
         for i in range(count):
             if attention is not None and not req.replaying:
                 req.attention.append(attention[:, seat, i])
-            if scheduler.record(req, row[i]):
+            if record(req, row[i]):
                 break
 
 

@@ -168,7 +168,8 @@ class Scheduler:
         self._finish_failed_restores()
         decode, chunks, waited = self.pass_decode, self.pass_chunks, []
         running = list(self.running.values())
-        decoding = [req for req in running if not req.prefilling]
+        # `not req.prefilling`, inlined (a property call per request and step).
+        decoding = [req for req in running if req.num_prefilled >= len(req.prompt)]
         if in_flight:
             decoding = [req for req in decoding
                         if req.request_id not in in_flight or not self._last_in_flight(req)]
@@ -185,15 +186,22 @@ class Scheduler:
             drafts, lookahead = [[]] * len(decoding), None
         results = manager.schedule_batch([req.request_id for req in decoding], new_tokens,
                                           lookahead)
-        for req, req_drafts, tokens, result in zip(decoding, drafts, new_tokens, results,
-                                                   strict=True):
-            if result is None:
-                req.counted, req.step_drafts = req.counted + len(tokens), req_drafts
-                decode.append(req)
-            else:
-                waited.append(req)
+        if not self.num_speculative_tokens and not any(results):  # every request scheduled
+            no_drafts = drafts[0] if drafts else []
+            for req, tokens in zip(decoding, new_tokens, strict=True):
+                req.counted += len(tokens)
+                req.step_drafts = no_drafts
+            decode += decoding
+        else:
+            for req, req_drafts, tokens, result in zip(decoding, drafts, new_tokens, results,
+                                                       strict=True):
+                if result is None:
+                    req.counted, req.step_drafts = req.counted + len(tokens), req_drafts
+                    decode.append(req)
+                else:
+                    waited.append(req)
         # Then requests between prefill chunks: their next one, if the budget leaves room.
-        for req in running:
+        for req in running if len(decoding) < len(running) else ():
             if not req.prefilling:
                 continue
             n = self._next_chunk(req)

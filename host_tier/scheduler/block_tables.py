@@ -85,6 +85,14 @@ class BlockTables:
         new = blocks if type(blocks) is list else list(blocks)
         if new == old:  # the common case (list comparisons run in C)
             return
+        m = len(old)
+        if len(new) > m and new[:m] == old:  # grown (a page opened), the rest unchanged
+            tail = new[m:]
+            old += tail  # the row as last set is this object's own copy
+            if any(tail):
+                table[state_row, m:len(new)] = tail
+                self._dirty[group].add(state_row)
+            return
         new = new.copy()
         # Converting a Python list to numpy costs ~35 ns an entry, and rows are max_pages wide
         # while a step changes a few entries (a page opened or bound near the tail, a page
@@ -105,6 +113,32 @@ class BlockTables:
         table[state_row, lo:end] = new[lo:end] + [0] * (end - n)
         self._dirty[group].add(state_row)
         self._rows[group][state_row] = new
+
+    def set_entries(self, group: str, state_row: int, entries: Sequence[int],
+                    blocks: Sequence[int]) -> None:
+        """`set_row(group, state_row, blocks)` for a caller that knows the row differs from
+        the row last set at most at indices `entries`: compares and writes only those (a
+        decode step changes an entry or two of a row thousands of entries wide). A row of
+        another length is set by `set_row`.
+
+        Raises:
+          ValueError: as `set_row`.
+        """
+        table = self._table(group)
+        if not 0 <= state_row < table.shape[0]:
+            raise ValueError(f"state_row must be in [0, {table.shape[0]}), got {state_row}")
+        old = self._rows[group][state_row]  # this object's own copy (`set_row` copies)
+        if len(old) != len(blocks):
+            self.set_row(group, state_row, blocks)
+            return
+        changed = [i for i in entries if old[i] != blocks[i]]
+        if not changed:
+            return
+        values = [blocks[i] for i in changed]
+        for i, value in zip(changed, values, strict=True):
+            old[i] = value
+        table[state_row, changed] = values
+        self._dirty[group].add(state_row)
 
     def clear_row(self, state_row: int) -> None:
         for group in GROUPS:

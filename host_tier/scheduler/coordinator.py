@@ -78,6 +78,7 @@ __all__ = ["ACTIVE_TAIL_PAGES", "Admitted", "CapacityError", "Coordinator", "Req
 _SIZES = ("block_size", "num_gpu_blocks", "num_host_blocks", "hot_blocks", "max_num_reqs",
           "max_model_len")
 _KEYWORD_SIZES = ("num_gpu_blocks", "num_host_blocks", "max_model_len")
+_new_tuple = tuple.__new__
 
 
 class Coordinator:
@@ -585,8 +586,15 @@ class Coordinator:
             twice = next(rid for rid in request_ids if rid in seen or seen.add(rid))
             raise ValueError(f"schedule_batch: request_ids names request {twice!r} twice; a "
                              "request is scheduled at most once per pass")
-        records = [self._requests.get(rid) for rid in request_ids]
+        requests = self._requests
+        records = [requests.get(rid) for rid in request_ids]
         fast = self._on_fast_path(records, new_token_ids, num_lookahead_tokens)
+        if all(fast):  # the common decode step: every request inline, in one loop
+            for r, tokens in zip(records, new_token_ids, strict=True):
+                r.token_ids.append(tokens[0])
+                r.scheduled = 1
+            self._pass += records
+            return [None] * n
         checked = [None if f else self._check_schedule(f"schedule_batch[{i}]", rid, None,
                                                        tokens, la)
                    for i, (f, rid, tokens, la) in enumerate(zip(
@@ -618,16 +626,20 @@ class Coordinator:
         # hundreds per step); the checks that name the culprit run only when one fails.
         requests = self._requests
         records = [requests.get(rid) for rid, _, _ in updates]
-        if not all(r is not None and type(index) is int and 0 <= index < len(r.token_ids)
-                   and type(token) is int and INT64_MIN <= token < INT64_END
-                   for r, (_, index, token) in zip(records, updates, strict=True)):
-            for i, (rid, index, token) in enumerate(updates):
-                r = self._running(rid, f"set_token_ids[{i}]")
-                if not is_int(index) or not 0 <= index < len(r.token_ids):
-                    raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
-                                     f"{len(r.token_ids)}) (request {rid!r}'s known tokens), "
-                                     f"got {index!r}")
-                check_tokens([token], f"set_token_ids[{i}]: token")
+        # (A list, not a generator: all() over a generator cost a resume per update.)
+        if all([r is not None and type(index) is int and 0 <= index < len(r.token_ids)
+                and type(token) is int and INT64_MIN <= token < INT64_END
+                for r, (_, index, token) in zip(records, updates, strict=True)]):
+            for r, (_, index, token) in zip(records, updates, strict=True):
+                r.token_ids[index] = token
+            return
+        for i, (rid, index, token) in enumerate(updates):
+            r = self._running(rid, f"set_token_ids[{i}]")
+            if not is_int(index) or not 0 <= index < len(r.token_ids):
+                raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
+                                 f"{len(r.token_ids)}) (request {rid!r}'s known tokens), "
+                                 f"got {index!r}")
+            check_tokens([token], f"set_token_ids[{i}]: token")
         for r, (_, index, token) in zip(records, updates, strict=True):
             r.token_ids[index] = int(token)
 
@@ -639,17 +651,15 @@ class Coordinator:
         nothing to allocate, no table row changes (the general path does the same, slower).
         One loop for the batch: a call per request cost more than the check."""
         B, max_len = self.block_size, self.max_model_len
-        out = []
-        for r, tokens, la in zip(records, new_token_ids, num_lookahead_tokens, strict=True):
-            out.append(
-                r is not None and not r.scheduled and len(tokens) == 1
-                and r.num_computed == len(r.token_ids) and r.num_computed < max_len
+        return [r is not None and not r.scheduled and len(tokens) == 1
+                and (nc := r.num_computed) == len(r.token_ids) and nc < max_len
                 and type(la) is int and 0 <= la < B
-                and min(r.num_computed + la, max_len - 1) < len(r.res_blocks) * B
-                and r.num_computed < len(r.host_blocks) * B
+                and (nc + la if nc + la < max_len else max_len - 1) < len(r.res_blocks) * B
+                and nc < len(r.host_blocks) * B
                 and (r.hot or not r.hot_required)
-                and type(tokens[0]) is int and INT64_MIN <= tokens[0] < INT64_END)
-        return out
+                and type(t := tokens[0]) is int and INT64_MIN <= t < INT64_END
+                for r, tokens, la in zip(records, new_token_ids, num_lookahead_tokens,
+                                         strict=True)]
 
     def _check_schedule(self, what: str, request_id: Hashable, num_tokens: int | None,
                         new_token_ids: Sequence[int], num_lookahead_tokens: Any
@@ -727,14 +737,15 @@ class Coordinator:
         requests not scheduled in this pass included: a plan with nothing scheduled (no
         forward) still carries them (`num_spill_retries`).
         """
-        writes = []
+        pass_ = self._pass
+        # `tuple.__new__` builds the same named tuples without a Python-level `__new__` call.
+        writes = [_new_tuple(StepWrite, (r.request_id, r.state_row, r.num_computed, r.scheduled))
+                  for r in pass_]
         budget = self._planner.budget
         plan_spills, update_residency = self._planner.plan_spills, self._residency.update
         B = self.block_size
-        for r in self._pass:
-            start, n = r.num_computed, r.scheduled
-            writes.append(StepWrite(r.request_id, r.state_row, start, n))
-            r.num_computed = computed = start + n
+        for r in pass_:
+            r.num_computed = computed = r.num_computed + r.scheduled
             r.scheduled = 0
             # The calls are skipped where they would change nothing (most requests of a decode
             # step): no page sealed since the last pass and none to retry; a hot region with no
@@ -757,6 +768,11 @@ class Coordinator:
             tables.set_row("src", r.state_row, r.host_blocks)
             tables.set_row("res", r.state_row, r.res_blocks)
             tables.set_row("hot", r.state_row, r.hot)
+        for group, changed in log.entries.items():  # only these entries changed
+            for r, pages in changed.items():
+                if r not in log.touched:
+                    tables.set_entries(group, r.state_row, pages,
+                                       r.host_blocks if group == "src" else r.res_blocks)
         restores, spills = self._planner.take_pass()
         plan = StepPlan(
             step=self._step,

@@ -159,12 +159,18 @@ class PassLog:
 
     Attributes:
       touched: requests whose table rows changed (their `src`/`res`/`hot` rows are re-sent).
+      entries: per table ("src", "res"), request -> pages whose entry alone changed (a
+        sealed page bound to a host block, a page that lost its resident block: the common
+        table changes of a decode step). Of a request not in `touched`, only these entries
+        of its rows are compared and written.
       hot_resets: state rows whose hot state is emptied (a new request, a new hot region).
       invalidations: state row -> host blocks newly given to that request, whose rows must not
         be served from its hot state.
     """
 
     touched: set[RequestRecord] = dataclasses.field(default_factory=set)
+    entries: dict[str, dict[RequestRecord, list[int]]] = dataclasses.field(
+        default_factory=lambda: {"src": {}, "res": {}})
     hot_resets: set[int] = dataclasses.field(default_factory=set)
     invalidations: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
@@ -173,13 +179,20 @@ class PassLog:
         if new_host_blocks:
             self.invalidations.setdefault(r.state_row, []).extend(new_host_blocks)
 
+    def entry_changed(self, group: str, r: RequestRecord, page: int) -> None:
+        """Entry `page` of `r`'s `group` row ("src" or "res") changed."""
+        self.entries[group].setdefault(r, []).append(page)
+
     def forget(self, r: RequestRecord) -> None:
         """`r` leaves in this pass: its rows are cleared, nothing of it is re-sent."""
         self.touched.discard(r)
+        for changed in self.entries.values():
+            changed.pop(r, None)
         self.invalidations.pop(r.state_row, None)
 
     def clear(self) -> None:
         self.touched = set()
+        self.entries = {"src": {}, "res": {}}
         self.hot_resets = set()
         self.invalidations = {}
 

@@ -145,7 +145,7 @@ class ResidencyPolicy:
         r.res_blocks[page] = NULL_BLOCK
         r.num_nonresident += 1
         r.unpinned.discard(page)
-        self.log.touched.add(r)
+        self.log.entry_changed("res", r, page)
         self.stats["lost_pages"] += 1
 
     def release_pages(self, r: RequestRecord) -> None:

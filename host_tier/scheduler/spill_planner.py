@@ -107,7 +107,7 @@ class SpillPlanner:
                 host_block = self.host_pool.allocate(1)[0]
                 r.host_blocks[p] = host_block
                 self.log.invalidate(r, [host_block])
-                self.log.touched.add(r)
+                self.log.entry_changed("src", r, p)
             r.unbound.discard(p)
             assert self.host_pool.block_hash(host_block) is None, (
                 f"spill into published host block {host_block}")

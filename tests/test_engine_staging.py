@@ -14,11 +14,20 @@ Warmup of the staged variant: `tests/test_engine_prefix.py`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hisparse_jax import nn
+from hisparse_jax.cache import AllResident, HiSparseKVCache
+from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
 from tests.engine_reference import AllResidentReference
 from tests.test_engine_prefix import (
@@ -122,3 +131,79 @@ def test_any_staged_prefix_decodes_what_all_resident_decodes(staged_engine, refe
 
     check_shared_prefix(staged_engine, reference, shared, tail, seed, between=evict)
     assert staged_engine.scheduler.manager.stats["prefix_restores"] == 0
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@functools.cache
+def _grouped_steps():
+    """The tiny model with one index group of both layers (the second layer reads the
+    leader's staged rows), its jitted chunk prefill (staged when host pages are given) and a
+    fresh all-resident cache of two state rows (the request uses row 1)."""
+    mc = nn.get_config("tiny", index_group_size=2)
+    graphdef, state = nnx.split(nn.init_model(mc, seed=1))
+    cfg = HiSparseConfig(top_k=mc.top_k, hot_size=mc.top_k, block_size=B, max_num_reqs=2,
+                         row_width=mc.row_width, kv_dtype=mc.kv_dtype,
+                         max_model_len=SIZES["max_model_len"],
+                         num_gpu_blocks=1 + 2 * SIZES["max_model_len"] // B)
+
+    def fresh():
+        kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=AllResident(),
+                                    index_group_size=mc.index_group_size)
+        return nn.DecodeCache(kv, tuple(jnp.zeros((2, cfg.max_model_len, mc.index_dim),
+                                                  mc.kv_dtype) for _ in range(mc.num_groups)))
+
+    @jax.jit
+    def chunk(cache, tokens, start, length, pages, host_pages=None, host_pools=()):
+        return nnx.merge(graphdef, state).prefill_chunk(
+            cache, tokens, start, length, jnp.int32(1), pages, host_pages=host_pages,
+            host_pools=host_pools, collect_attention=True)
+
+    return fresh, chunk
+
+
+@settings(max_examples=5, deadline=None)
+@given(start=st.integers(B, 36), k=st.integers(1, 11), seed=st.integers(0, 99))
+def test_a_staged_chunk_computes_what_the_resident_chunk_computes(pinned_host, start, k, seed):
+    # Chunk [start, start + k) after an all-resident first chunk [0, start): once with every
+    # page resident, once with the pages before start's page host-only (their device blocks
+    # zeroed, their rows in the host pool): the same logits, attention and written rows.
+    fresh, chunk = _grouped_steps()
+    rng = np.random.default_rng(seed)
+    n = SIZES["max_model_len"]
+    prompt = rng.integers(0, 512, start + k).astype(np.int32)
+    pages = rng.permutation(np.arange(1, 1 + 2 * n // B))[:n // B].astype(np.int32)
+    first = np.zeros(n, np.int32)
+    first[:start] = prompt[:start]
+    _, cache, _ = chunk(fresh(), first, jnp.int32(0), jnp.int32(start), pages)
+    padded = np.zeros(16, np.int32)
+    padded[:k] = prompt[start:]
+    hot = jax.tree.map(jnp.copy, cache)
+    want_logits, want, want_aux = chunk(hot, padded, jnp.int32(start), jnp.int32(k), pages)
+
+    host_only = np.arange(n // B) < start // B
+    host_pages = np.where(np.arange(n // B) < (start + k + B - 1) // B,
+                          1 + rng.permutation(n // B), 0).astype(np.int32)
+    pools, caches = [], []
+    for layer_cache in cache.kv.caches:
+        rows = np.asarray(layer_cache)
+        pool = np.zeros((1 + n // B, *rows.shape[1:]), rows.dtype)
+        pool[host_pages[host_only]] = rows[pages[host_only]]
+        pools.append(jax.device_put(pool, pinned_host))
+        rows = rows.copy()
+        rows[pages[host_only]] = 0  # the host-only pages' device copies are gone
+        caches.append(jnp.asarray(rows))
+    cold = dataclasses.replace(cache, kv=dataclasses.replace(cache.kv, caches=tuple(caches)))
+    res = np.where(host_only, 0, pages).astype(np.int32)
+    logits, got, aux = chunk(cold, padded, jnp.int32(start), jnp.int32(k), res, host_pages,
+                             tuple(pools))
+    assert int(aux["staged_rows_host"]) > 0 and int(aux["staged_rows_device"]) == 0
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(want_logits))
+    np.testing.assert_array_equal(np.asarray(aux["attention"], np.float32),
+                                  np.asarray(want_aux["attention"], np.float32))
+    written = pages[np.arange(start, start + k) // B] * B + np.arange(start, start + k) % B
+    for got_kv, want_kv in zip(got.kv.caches, want.kv.caches, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got_kv.reshape(-1, got_kv.shape[-1])[written], np.float32),
+            np.asarray(want_kv.reshape(-1, want_kv.shape[-1])[written], np.float32))

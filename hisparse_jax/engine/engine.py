@@ -750,9 +750,9 @@ class Engine:
                 out = runner.prefill(req, blocks)
             else:  # a chunk, or the rest of a prompt after its prefix hit
                 # Staging: host-only hit pages are read by staging the rows a chunk selects.
-                host = (np.asarray(view.host_blocks, np.int64) if self.config.stages_prefix_hits
-                        else None)
-                out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk, host)
+                staging = ({"host_blocks": np.asarray(view.host_blocks, np.int64)}
+                           if self.config.stages_prefix_hits else {})
+                out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk, **staging)
                 self.metrics.record_staged(
                     *runner.staged_rows,
                     row_bytes=self.row_bytes * self.model_config.index_group_size)

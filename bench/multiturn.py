@@ -10,7 +10,8 @@ Modes (one engine each, one after another, the same model, GPU KV budget and wor
 
   * `hisparse-reuse`: the host tier with prefix reuse (`EngineConfig.enable_prefix_caching`):
     a turn's prompt hits the pages its conversation published, on the GPU or in the pinned
-    pool, and only the new tokens are prefilled;
+    pool, and only the new tokens are prefilled (`--prefix-hit-pages`: pool pages restored
+    whole before the prefill, or only the rows its chunks select staged);
   * `hisparse`: the host tier, every turn prefills its whole prompt again;
   * `all-resident`: every row on the GPU (no host tier; admission capped by the budget).
 
@@ -74,7 +75,7 @@ def engine_config(args: argparse.Namespace, mode: str) -> EngineConfig:
         all_resident=mode == "all-resident", seed=0)
     if mode == "hisparse-reuse":
         fields["enable_prefix_caching"] = True
-        fields["prefix_hit_pages"] = getattr(args, "prefix_hit_pages", "restore")
+        fields["prefix_hit_pages"] = args.prefix_hit_pages
     if mode == "all-resident" and args.gpu_blocks:
         fields["num_gpu_blocks"] = args.gpu_blocks
     return EngineConfig(**fields)
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
               "first_prompt": args.first_prompt, "user_tokens": args.user_tokens,
               "gen_tokens": args.gen_tokens, "block_size": args.block_size,
               "prefill_chunk_size": args.prefill_chunk_size,
+              "prefix_hit_pages": args.prefix_hit_pages,
               "max_model_len": max_model_len(args),
               "gpu_blocks": configs[args.modes[0]].num_gpu_blocks,
               "prefill": "real (the model over every computed prompt token, chunked)",

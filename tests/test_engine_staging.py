@@ -98,21 +98,47 @@ def test_a_staged_hit_decodes_what_all_resident_decodes(engine, reference, share
     _assert_keys_match_published(engine)
 
 
+def _first_then_evict(engine, reference, prompt, seed):
+    """Serves `prompt` (nothing reused; decodes what all-resident decodes), then fillers that
+    take its pages' device copies; returns the served request."""
+    out, reused = _serve(engine, prompt)
+    assert reused == 0
+    _assert_same(out, reference)
+    _evict_device_copies(engine, reference, seed)
+    return out
+
+
+def _assert_staged_not_restored(engine):
+    assert engine.metrics.staged_rows_host > 0
+    assert engine.scheduler.manager.stats["prefix_restores"] == 0
+
+
 def test_multi_turn_stages_the_first_turn(reference):
-    engine = _engine(6)
-    try:
+    with contextlib.closing(_engine(6)) as engine:
         prompt = _tokens(17, 14)
-        turn1, _ = _serve(engine, prompt)
-        _assert_same(turn1, reference)
-        _evict_device_copies(engine, reference, 60)
+        turn1 = _first_then_evict(engine, reference, prompt, 60)
         prompt2 = [*prompt, *turn1.generated, *_tokens(18, 6)]
         turn2, reused = _serve(engine, prompt2)
         assert reused == (len(prompt) + 8 - 1) // B * B
         _assert_same(turn2, reference)
-        assert engine.metrics.staged_rows_host > 0
-        assert engine.scheduler.manager.stats["prefix_restores"] == 0
-    finally:
-        engine.close()
+        _assert_staged_not_restored(engine)
+
+
+def test_concurrent_staged_hits_under_pressure(reference):
+    # Two hit requests and a filler admitted together, chunked, in a tight device pool: the
+    # hits prefill by staging while others hold the device blocks, then decode through their
+    # hot regions.
+    with contextlib.closing(_engine(5)) as engine:
+        first = _tokens(120, 24)
+        _first_then_evict(engine, reference, first, 121)
+        prompts = [first[:22] + _tokens(125, 6), first[:13] + _tokens(126, 9), _tokens(127, 28)]
+        ids = [engine.add_request(p, max_new_tokens=10) for p in prompts]
+        done = engine.run()
+        for rid in ids:
+            _assert_same(done[rid], reference)
+        assert engine.metrics.prefix_hit_requests == 2
+        _assert_staged_not_restored(engine)
+        _assert_keys_match_published(engine)
 
 
 @pytest.fixture(scope="module")

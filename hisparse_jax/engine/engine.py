@@ -21,9 +21,11 @@ tier.
 
 With `EngineConfig.enable_prefix_caching` the coordinator publishes durable pages and a
 request whose prompt starts with published pages prefills only the rest (a chunk from its first
-uncached position); the hit pages are made resident before the step and their index keys come
-from the engine's `IndexKeyStore` (`prefix_keys.py`), filled when a page seals and dropped
-with the published page (`docs/semantics.md`, prefix reuse in the engine).
+uncached position); the hit pages are made resident before the step (or, with
+`prefix_hit_pages="stage"`, stay host-only and each chunk stages the rows it selects:
+`docs/semantics.md`, prefill staging) and their index keys come from the engine's
+`IndexKeyStore` (`prefix_keys.py`), filled when a page seals and dropped with the published
+page (`docs/semantics.md`, prefix reuse in the engine).
 
 For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
 source instead of the indexer, and `synthetic_prefill` writes deterministic random KV rows

@@ -132,11 +132,13 @@ def test_concurrent_staged_hits_under_pressure(reference):
         first = _tokens(120, 24)
         _first_then_evict(engine, reference, first, 121)
         prompts = [first[:22] + _tokens(125, 6), first[:13] + _tokens(126, 9), _tokens(127, 28)]
+        hits = engine.metrics.prefix_hit_requests
         ids = [engine.add_request(p, max_new_tokens=10) for p in prompts]
         done = engine.run()
         for rid in ids:
             _assert_same(done[rid], reference)
-        assert engine.metrics.prefix_hit_requests == 2
+        assert [done[rid].num_cached for rid in ids] == [20, 12, 0]
+        assert engine.metrics.prefix_hit_requests - hits == 2
         _assert_staged_not_restored(engine)
         _assert_keys_match_published(engine)
 

@@ -208,6 +208,10 @@ class Runner:
         already placed (e.g. tensor-parallel views); None: the model's, committed to `device`.
     """
 
+    # The rows the last `prefill_chunk` staged (from host, from device; summed over index
+    # groups): (0, 0) unless it ran the staged variant.
+    staged_rows: tuple[int, int] = (0, 0)
+
     def __init__(self, model: Transformer, ec: EngineConfig, cfg: HiSparseConfig,
                  residency: Residency, *, tables: Any, transfers: Any, host_pool: Any,
                  device: jax.Device | jax.sharding.Sharding, params: Any = None) -> None:
@@ -233,8 +237,6 @@ class Runner:
         self._no_prev_tokens = self._put(np.zeros(cfg.max_num_reqs, np.int32))
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.warmed: dict[str, list[Any]] = {}  # the buckets `warmup` compiled, by kind
-        # The last staged chunk's rows staged (from host, from device), per layer.
-        self.staged_rows = (0, 0)
         # The jitted steps, built once per variant: {"decode_fast", "decode_hot", "prefill" or
         # "prefill_chunk"}.
         self.jitted: dict[str, Callable[..., Any]] = {}

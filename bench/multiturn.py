@@ -10,7 +10,8 @@ Modes (one engine each, one after another, the same model, GPU KV budget and wor
 
   * `hisparse-reuse`: the host tier with prefix reuse (`EngineConfig.enable_prefix_caching`):
     a turn's prompt hits the pages its conversation published, on the GPU or in the pinned
-    pool, and only the new tokens are prefilled;
+    pool, and only the new tokens are prefilled (`--prefix-hit-pages`: pool pages restored
+    whole before the prefill, or only the rows its chunks select staged);
   * `hisparse`: the host tier, every turn prefills its whole prompt again;
   * `all-resident`: every row on the GPU (no host tier; admission capped by the budget).
 
@@ -74,6 +75,7 @@ def engine_config(args: argparse.Namespace, mode: str) -> EngineConfig:
         all_resident=mode == "all-resident", seed=0)
     if mode == "hisparse-reuse":
         fields["enable_prefix_caching"] = True
+        fields["prefix_hit_pages"] = args.prefix_hit_pages
     if mode == "all-resident" and args.gpu_blocks:
         fields["num_gpu_blocks"] = args.gpu_blocks
     return EngineConfig(**fields)
@@ -99,7 +101,7 @@ def run_mode(model: nn.Transformer, args: argparse.Namespace, mode: str) -> dict
             ids = {}
             submitted = 0
             p0, g0 = m.prompt_tokens, m.generated_tokens
-            h0 = engine.summary()["bytes_moved_h2d"]
+            h0, st0 = engine.summary()["bytes_moved_h2d"], m.staged_bytes_host
             t0 = time.perf_counter()
             for i, conv in enumerate(convs):
                 prompt = conv + rng.integers(2, vocab, args.user_tokens).tolist()
@@ -137,7 +139,8 @@ def run_mode(model: nn.Transformer, args: argparse.Namespace, mode: str) -> dict
                 "prompt_tokens_submitted": submitted, "prompt_tokens_computed": computed,
                 "prompt_tokens_reused": submitted - computed,
                 "generated_tokens": m.generated_tokens - g0,
-                "bytes_h2d": engine.summary()["bytes_moved_h2d"] - h0})
+                "bytes_h2d": engine.summary()["bytes_moved_h2d"] - h0,
+                "staged_bytes_h2d": m.staged_bytes_host - st0})
             print(f"[multiturn] {mode:14s} turn {turn}: TTFT p50 {turns[-1]['ttft_s_p50']:.3f} s "
                   f"p95 {turns[-1]['ttft_s_p95']:.3f} s, prompt computed {computed} of "
                   f"{submitted}, wall {wall:.2f} s, {steps} steps", flush=True)
@@ -152,6 +155,8 @@ def run_mode(model: nn.Transformer, args: argparse.Namespace, mode: str) -> dict
                 "processed_tokens_per_s": (generated + sum(t["prompt_tokens_submitted"]
                                                            for t in turns)) / total,
                 "preemptions": engine.metrics.preemptions, "bytes_h2d": s["bytes_moved_h2d"],
+                "staged_bytes_h2d": s["staged_bytes_host"],
+                "prefix_restored_pages": s["prefix_restored_pages"],
                 "turns": turns, "tokens": outputs}
     finally:
         engine.close()
@@ -230,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk-size", type=int, default=4096)
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=None)
     p.add_argument("--modes", type=_modes, default=list(MODES))
+    p.add_argument("--prefix-hit-pages", choices=("restore", "stage"), default="restore",
+                   help="hisparse-reuse: restore a hit's host pages whole before its prefill, "
+                        "or stage the rows its chunks select (EngineConfig.prefix_hit_pages)")
     p.add_argument("--ttft-from-turn", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true")
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
               "first_prompt": args.first_prompt, "user_tokens": args.user_tokens,
               "gen_tokens": args.gen_tokens, "block_size": args.block_size,
               "prefill_chunk_size": args.prefill_chunk_size,
+              "prefix_hit_pages": args.prefix_hit_pages,
               "max_model_len": max_model_len(args),
               "gpu_blocks": configs[args.modes[0]].num_gpu_blocks,
               "prefill": "real (the model over every computed prompt token, chunked)",

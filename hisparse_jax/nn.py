@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache
-from hisparse_jax.ops import sparse_mla_decode
+from hisparse_jax.ops import sparse_mla_decode, stage_prefill_rows
 
 # --------------------------------------------------------------------------- configs
 
@@ -480,6 +480,8 @@ class Transformer(nnx.Module):
 
     def prefill_chunk(self, cache: DecodeCache, tokens: jax.Array, start: jax.Array,
                       length: jax.Array, state_row: jax.Array, pages: jax.Array, *,
+                      host_pages: jax.Array | None = None,
+                      host_pools: tuple[jax.Array, ...] = (),
                       attention_backend: str | None = None, collect_attention: bool = False
                       ) -> tuple[jax.Array, DecodeCache, dict]:
         """Prefill one chunk of a request's prompt: tokens int32[T] at positions
@@ -498,13 +500,36 @@ class Transformer(nnx.Module):
         `prefill` reads. Padding rows write and select nothing. Returns (logits float32[V] of
         the last real token, new cache, aux with "attention" [L, h, kv_lora] of the last token
         when collected).
+
+        Staging (`host_pages` int32[P], the request's host block of each page, and
+        `host_pools`, the per-layer pinned host pools; `docs/semantics.md`, prefill staging):
+        pages before the chunk may then be host-only (null in `pages`). After each group
+        leader's selection, the selected positions < start whose page is not resident (and
+        has a host block) are deduplicated over the chunk's rows (at most M = min(T * top_k,
+        max_model_len) distinct positions) and copied once from the host pools into one
+        staging buffer [M, Ws] per layer of the group (`stage_prefill_rows`); every layer of
+        the group then attends over a dense copy [T, top_k, Ws] of its query rows' selected
+        rows (staged rows from the staging buffer, the rest through `pages`, after the
+        layer's own write), the same values in the same order as the resident read. aux gains
+        "staged_rows_host" / "staged_rows_device" (int32: rows per layer, summed over the
+        groups).
         """
         T = tokens.shape[0]
         pos = start + jnp.arange(T, dtype=jnp.int32)
         res = jnp.broadcast_to(pages, (T, pages.shape[0]))
+        if host_pages is None:
+            src = jnp.zeros_like(res)
+        else:
+            if len(host_pools) != self.cfg.num_layers or host_pages.shape != pages.shape:
+                raise ValueError(
+                    f"prefill_chunk: staging needs host_pages of the shape of pages "
+                    f"{tuple(pages.shape)} and one host pool per layer ({self.cfg.num_layers}), "
+                    f"got host_pages {tuple(host_pages.shape)} and {len(host_pools)} pools")
+            src = jnp.broadcast_to(host_pages, res.shape)
         pages_batch = CacheBatch(
             state_rows=jnp.where(jnp.arange(T) < length, state_row, -1), positions=pos,
-            src=jnp.zeros_like(res), res=res, hot=jnp.zeros((T, 0), jnp.int32))
+            src=src, res=res, hot=jnp.zeros((T, 0), jnp.int32),
+            host_pools=tuple(host_pools) if host_pages is not None else ())
         return self._prefill(cache, tokens, pos, length, state_row, pages_batch=pages_batch,
                              attention_backend=attention_backend,
                              collect_attention=collect_attention)
@@ -520,9 +545,11 @@ class Transformer(nnx.Module):
         c = self.cfg
         real = jnp.arange(tokens.shape[0]) < length
         kv, index_keys = cache.kv, list(cache.index_keys)
+        staging = pages_batch is not None and bool(pages_batch.host_pools)
         x = self.embed(tokens)
         attn = []
-        rows = None
+        rows = staged = None
+        counts = [jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)]
         for layer, block in enumerate(self.blocks):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             h = block.attn_norm(x)
@@ -543,15 +570,85 @@ class Transformer(nnx.Module):
                     topk = idx.select(iq, iw, index_keys[g][state_row], pos)
                     kv, found = AllResident().lookup(kv, g, topk, pages_batch)
                     rows = found.attention_rows
-            stored = kv.encode(row) if pages_batch is None else kv.caches[layer]
-            out, latent = block.attn.attend(q, stored, rows, backend=attention_backend,
+                    if staging:
+                        staged, from_device, from_host = _stage_group(
+                            kv, g, topk, rows, pos[0], pages_batch, index_keys[g].shape[1])
+                        counts = [counts[0] + from_host, counts[1] + from_device]
+            if staged is not None:
+                stored, attend_rows = _staged_read(kv.caches[layer], rows, staged,
+                                                   layer % c.index_group_size)
+            else:
+                stored = kv.encode(row) if pages_batch is None else kv.caches[layer]
+                attend_rows = rows
+            out, latent = block.attn.attend(q, stored, attend_rows, backend=attention_backend,
                                             kv_format=kv.kv_format)
             if collect_attention:
                 attn.append(latent[length - 1])
             x = self._finish(x, block, out)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, keepdims=False)
         aux = {"attention": jnp.stack(attn)} if collect_attention else {}
+        if staging:
+            aux["staged_rows_host"], aux["staged_rows_device"] = counts
         return self.logits(last[None])[0], DecodeCache(kv, tuple(index_keys)), aux
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """One index group's staged rows in a chunk prefill (`_stage_group`): `buffers` [M, Ws]
+    per layer of the group, and `slots` int32[T, K], the staging row of each selected
+    position (-1: read through the resident table)."""
+
+    buffers: tuple[jax.Array, ...]
+    slots: jax.Array
+
+
+def _stage_group(kv: HiSparseKVCache, group: int, topk: jax.Array, rows: jax.Array,
+                 start: jax.Array, batch: CacheBatch, max_len: int
+                 ) -> tuple[_Staged, jax.Array, jax.Array]:
+    """Stages the host-only rows of a chunk's selection topk int32[T, K] (`rows`: their
+    resident rows, -1 where not resident) for every layer of group `group`: positions
+    < `start` with no resident row and a host block, deduplicated (a mask over the
+    max_len positions, then at most M = min(T * K, max_len) of them in ascending order),
+    copied by `stage_prefill_rows`. Returns (the `_Staged`, rows from device, rows from
+    host)."""
+    B = kv.block_size
+    T, K = topk.shape
+    pages = jnp.maximum(topk, 0) // B
+    host = jnp.take(batch.src[0], jnp.minimum(pages, batch.src.shape[1] - 1))
+    want = (topk >= 0) & (topk < start) & (rows < 0) & (pages < batch.src.shape[1]) & (host > 0)
+    want &= batch.live[:, None]
+    mask = jnp.zeros(max_len, bool).at[jnp.where(want, topk, max_len)].set(True, mode="drop")
+    M = min(T * K, max_len)
+    (positions,) = jnp.nonzero(mask, size=M, fill_value=-1)
+    positions = positions.astype(jnp.int32)
+    slot_of = jnp.full(max_len, -1, jnp.int32).at[
+        jnp.where(positions >= 0, positions, max_len)].set(jnp.arange(M, dtype=jnp.int32),
+                                                            mode="drop")
+    slots = jnp.where(want, slot_of[jnp.where(want, topk, 0)], -1)
+    layers = slice(group * kv.index_group_size, (group + 1) * kv.index_group_size)
+    caches = kv.caches[layers]
+    out = stage_prefill_rows(
+        batch.host_pools[layers], caches,
+        tuple(jnp.zeros((M, cache.shape[-1]), cache.dtype) for cache in caches), positions,
+        batch.src[0], batch.res[0], block_size=B, backend=kv.ops_backend)
+    return _Staged(out.staging, slots), out.rows_from_device, out.rows_from_host
+
+
+def _staged_read(cache: jax.Array, rows: jax.Array, staged: _Staged, member: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The rows a staged chunk's query rows attend over: a dense copy [T * K, Ws] of each
+    query row's selected rows (staging row where `staged.slots` >= 0, else the resident
+    row `rows` of `cache` [num_blocks, B, Ws]; member: the layer's index in its group) and
+    the attention rows int32[T, K] into it (-1 where neither exists)."""
+    T, K = rows.shape
+    flat = cache.reshape(-1, cache.shape[-1])
+    slots = staged.slots
+    dense = jnp.where((slots >= 0)[..., None], staged.buffers[member][jnp.maximum(slots, 0)],
+                      flat[jnp.maximum(rows, 0)])
+    valid = (slots >= 0) | (rows >= 0)
+    ids = jnp.arange(T * K, dtype=jnp.int32).reshape(T, K)
+    return dense.reshape(T * K, -1), jnp.where(valid, ids, -1)
 
 
 def init_model(cfg: ModelConfig | str, *, seed: int = 0) -> Transformer:

@@ -93,26 +93,39 @@ def _assert_keys_match_published(engine):
     assert not store.owners
 
 
-@pytest.mark.parametrize("shared, tail, expect", [
+# (shared tokens, new tail tokens or None, tokens reused) of a second prompt after a first.
+HIT_CASES = pytest.mark.parametrize("shared, tail, expect", [
     (16, 7, 16),   # the shared part is whole pages
     (18, 5, 16),   # it ends mid-page: that page is not shared (its hash differs)
     (20, None, 19),  # the prompt is a published prefix: copy-on-write of its last page
 ], ids=["whole-pages", "mid-page", "copy-on-write"])
+
+
+@HIT_CASES
 def test_a_prefix_hit_decodes_what_all_resident_decodes(engine, reference, shared, tail,
                                                         expect):
+    stats = engine.scheduler.manager.stats
+    cow = stats["copy_on_write"]
+    check_hit_case(engine, reference, shared, tail, expect)
+    assert (stats["copy_on_write"] > cow) == (tail is None)
+    _assert_keys_match_published(engine)
+
+
+def check_hit_case(engine, reference, shared, tail, expect, between=None):
+    """A `HIT_CASES` case: a 23-token prompt, then (after `between(engine, seed)`, if given)
+    one sharing its first `shared` tokens (plus `tail` new ones) that reuses `expect`; both
+    decode what all-resident decodes."""
     seed = 1000 * shared + (tail or 0) + (engine.config.prefill_chunk_size or 0)
     first = _tokens(seed, 23)
     second = first[:shared] + ([] if tail is None else _tokens(seed + 1, tail))
-    stats = engine.scheduler.manager.stats
-    cow = stats["copy_on_write"]
     out, reused = _serve(engine, first)
     assert reused == 0
     _assert_same(out, reference)
+    if between is not None:
+        between(engine, seed)
     out, reused = _serve(engine, second)
     assert reused == expect
     _assert_same(out, reference)
-    assert (stats["copy_on_write"] > cow) == (tail is None)
-    _assert_keys_match_published(engine)
 
 
 def test_multi_turn_reuses_the_first_turn_with_its_generated_tokens(engine, reference):
@@ -159,14 +172,18 @@ def test_under_pressure_hit_pages_are_restored_from_host(reference, chunk):
         engine.close()
 
 
-def test_warmup_compiles_what_prefix_hits_reach(reference):
-    # Under pressure: hits restore pages from host, copy-on-write, the rest of a hit prompt
-    # as one chunk of a one-shot engine, page index-key copies; no served step compiles.
+@pytest.mark.parametrize("hit_pages", ["restore", "stage"])
+def test_warmup_compiles_what_prefix_hits_reach(reference, hit_pages):
+    # Under pressure: hits restore pages from host (or stage their rows:
+    # tests/test_engine_staging.py), copy-on-write, the rest of a hit prompt as one chunk of
+    # a one-shot engine, page index-key copies; no served step compiles.
     engine = Engine(tiny_model(), EngineConfig(
-        enable_prefix_caching=True, num_gpu_blocks=28, num_host_blocks=41, **SIZES))
+        enable_prefix_caching=True, prefix_hit_pages=hit_pages, num_gpu_blocks=28,
+        num_host_blocks=41, **SIZES))
     try:
         engine.warmup()
         assert {"restore_rows", "prefill", "prefill_chunk"} <= set(engine.runner.warmed)
+        assert ("prefill_chunk_staged" in engine.runner.warmed) == (hit_pages == "stage")
         CompileWatch.start()
         compiles = CompileWatch.count
         first = _tokens(77, 22)
@@ -180,7 +197,11 @@ def test_warmup_compiles_what_prefix_hits_reach(reference):
             assert reused > 0
             outs.append(out)
         stats = engine.scheduler.manager.stats
-        assert stats["prefix_restores"] > 0 and stats["copy_on_write"] > 0
+        assert stats["copy_on_write"] > 0
+        if hit_pages == "stage":
+            assert engine.metrics.staged_rows_host > 0 and stats["prefix_restores"] == 0
+        else:
+            assert stats["prefix_restores"] > 0 and engine.metrics.staged_rows_host == 0
         assert CompileWatch.count == compiles, "a served step compiled"
         for out in outs:  # the reference engine compiles: after the count
             _assert_same(out, reference)
@@ -228,11 +249,19 @@ def small_host_engine():
 @given(shared=st.integers(1, 30), tail=st.integers(1, 10), seed=st.integers(0, 2 ** 16))
 def test_any_shared_prefix_decodes_what_all_resident_decodes(small_host_engine, reference,
                                                              shared, tail, seed):
-    engine = small_host_engine
+    check_shared_prefix(small_host_engine, reference, shared, tail, seed)
+
+
+def check_shared_prefix(engine, reference, shared, tail, seed, between=None):
+    """Serves a 30-token prompt, then (after `between(engine)`, if given) one sharing its
+    first `shared` tokens plus `tail` new ones: both decode what all-resident decodes, and
+    the second reuses the pages wholly inside the shared part."""
     first = _tokens(seed, 30)
     second = first[:shared] + _tokens(seed + 1, tail)
     out, _ = _serve(engine, first)
     _assert_same(out, reference)
+    if between is not None:
+        between(engine)
     out, reused = _serve(engine, second)
     _assert_same(out, reference)
     # The first prompt's pages are the most recently released: still published. The second

@@ -20,9 +20,12 @@ from pallas_kernels import kv_format as kvf
 ATTENTION_OPS = ("sparse_mla_decode",)
 """The ops `EngineConfig.attention_backend` selects for."""
 DATA_PLANE_OPS = ("resolve_residency", "invalidate_written_rows", "gather_compact_group",
-                  "gather_compact", "mirror_rows")
+                  "gather_compact", "mirror_rows", "stage_prefill_rows")
 """The ops `EngineConfig.ops_backend` selects for: the handle's lookup (invalidate, resolve,
-gather) and the transfer worker's copies (mirror; restores go through gather_compact)."""
+gather), the transfer worker's copies (mirror; restores go through gather_compact) and the
+prefill staging copy."""
+PREFIX_HIT_PAGES = ("restore", "stage")
+"""The values of `EngineConfig.prefix_hit_pages`."""
 
 
 def _check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
@@ -126,10 +129,17 @@ class EngineConfig:
         their host copies completed): a prompt that starts with published pages prefills
         only its remaining tokens (`Transformer.prefill_chunk` from the first uncached
         position, also without prefill_chunk_size), its hit pages restored into resident
-        blocks and their index keys copied into its seat (the engine keeps the keys of every
-        published page on the host: `hisparse_jax/engine/prefix_keys.py`). Needs the HiSparse
+        blocks (or read by staging: prefix_hit_pages) and their index keys copied into its
+        seat (the engine keeps the keys of every published page on the host:
+        `hisparse_jax/engine/prefix_keys.py`). Needs the HiSparse
         mode (neither all_resident nor naive_offload), the indexer (no topk_source) and no
         speculation (num_speculative_tokens=0).
+      prefix_hit_pages: how a prefix hit's pages without a device copy are read by its
+        prefill (with enable_prefix_caching): "restore" (default) gives each a resident block
+        and a whole-page restore from host before the prefill; "stage" leaves them host-only
+        (read through the hot region once the request decodes) and each prefill chunk stages
+        just the rows its query rows select from them (`Transformer.prefill_chunk` staging,
+        `docs/semantics.md`, prefill staging).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -160,6 +170,7 @@ class EngineConfig:
     max_prefill_tokens_per_step: int | None = None
     async_scheduling: bool = False
     enable_prefix_caching: bool = False
+    prefix_hit_pages: str = "restore"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -242,6 +253,13 @@ class EngineConfig:
                      "an asynchronous step's newest token is still on the device then")):
                 if broken:
                     raise ValueError(f"EngineConfig.enable_prefix_caching needs {rule}")
+        if self.prefix_hit_pages not in PREFIX_HIT_PAGES:
+            raise ValueError(f"EngineConfig.prefix_hit_pages must be one of {PREFIX_HIT_PAGES}, "
+                             f"got {self.prefix_hit_pages!r}")
+        if self.prefix_hit_pages == "stage" and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.prefix_hit_pages='stage' needs "
+                             "enable_prefix_caching=True (only prefix hits have host-only pages "
+                             "before a prefill)")
         for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
             object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
 
@@ -298,6 +316,12 @@ class EngineConfig:
         width, dtype = model_config.row_width, model_config.kv_dtype
         return (kvf.storage_width(self.kv_format, width),
                 np.dtype(kvf.storage_dtype(self.kv_format, dtype)))
+
+    @property
+    def stages_prefix_hits(self) -> bool:
+        """Prefix caching with `prefix_hit_pages` "stage": hit pages stay host-only and
+        prefill chunks stage the rows they select from them."""
+        return self.enable_prefix_caching and self.prefix_hit_pages == "stage"
 
     @property
     def residency(self) -> Residency:

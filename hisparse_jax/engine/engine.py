@@ -21,9 +21,11 @@ tier.
 
 With `EngineConfig.enable_prefix_caching` the coordinator publishes durable pages and a
 request whose prompt starts with published pages prefills only the rest (a chunk from its first
-uncached position); the hit pages are made resident before the step and their index keys come
-from the engine's `IndexKeyStore` (`prefix_keys.py`), filled when a page seals and dropped
-with the published page (`docs/semantics.md`, prefix reuse in the engine).
+uncached position); the hit pages are made resident before the step (or, with
+`prefix_hit_pages="stage"`, stay host-only and each chunk stages the rows it selects:
+`docs/semantics.md`, prefill staging) and their index keys come from the engine's
+`IndexKeyStore` (`prefix_keys.py`), filled when a page seals and dropped with the published
+page (`docs/semantics.md`, prefix reuse in the engine).
 
 For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
 source instead of the indexer, and `synthetic_prefill` writes deterministic random KV rows
@@ -349,7 +351,8 @@ class Engine:
                     manager = Coordinator.from_config(
                         cfg, enable_prefix_caching=ec.enable_prefix_caching,
                         offload_all=ec.naive_offload,
-                        resident_prefix_hits=ec.enable_prefix_caching)
+                        resident_prefix_hits=(ec.enable_prefix_caching
+                                              and not ec.stages_prefix_hits))
                 except ValueError as e:
                     raise ValueError(f"Engine: EngineConfig.num_gpu_blocks={cfg.num_gpu_blocks} "
                                      f"/ num_host_blocks={cfg.num_host_blocks} refused by the "
@@ -744,13 +747,20 @@ class Engine:
         engine's, or a mesh data shard's); it samples its first token after its last chunk."""
         first = req in scheduler.pass_admitted
         try:
-            blocks = np.asarray(scheduler.manager.view(req.request_id).resident_blocks, np.int64)
+            view = scheduler.manager.view(req.request_id)
+            blocks = np.asarray(view.resident_blocks, np.int64)
             if first and req.num_cached:
                 self._load_prefix_keys(req, runner)
             if self.config.prefill_chunk_size is None and not req.num_prefilled:
                 out = runner.prefill(req, blocks)
             else:  # a chunk, or the rest of a prompt after its prefix hit
-                out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk)
+                # Staging: host-only hit pages are read by staging the rows a chunk selects.
+                staging = ({"host_blocks": np.asarray(view.host_blocks, np.int64)}
+                           if self.config.stages_prefix_hits else {})
+                out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk, **staging)
+                self.metrics.record_staged(
+                    *runner.staged_rows,
+                    row_bytes=self.row_bytes * self.model_config.index_group_size)
             token, attention, seconds, variant, compiled = out
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             message = f"prefill failed: {type(e).__name__}: {e}"

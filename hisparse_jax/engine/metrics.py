@@ -76,6 +76,21 @@ class Metrics:
     drains: int = 0  # async scheduling: steps collected with no next step in flight
     prefix_hit_tokens: int = 0  # prompt tokens reused from published pages (not computed)
     prefix_hit_requests: int = 0  # prefills that reused a published prefix
+    # Prefill staging (`EngineConfig.prefix_hit_pages` "stage"): rows chunk prefills staged
+    # from the host pool / a device copy, summed over index groups (each row copied into
+    # every layer of its group; staged_bytes_host counts those layers).
+    staged_rows_host: int = 0
+    staged_rows_device: int = 0
+    staged_bytes_host: int = 0  # over all layers
+    staged_chunks: int = 0  # chunk prefills that ran the staged variant
+
+    def record_staged(self, from_host: int, from_device: int, *, row_bytes: int) -> None:
+        """One chunk prefill's staged rows (summed over index groups; `row_bytes`: one row over
+        the layers of a group)."""
+        self.staged_rows_host += from_host
+        self.staged_rows_device += from_device
+        self.staged_bytes_host += from_host * row_bytes
+        self.staged_chunks += int(from_host + from_device > 0)
 
     def record_decode(self, *, fast: bool, hits: int, misses: int, index_group_size: int,
                       row_bytes: int) -> None:
@@ -143,6 +158,9 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
         "prefix_hit_tokens": m.prefix_hit_tokens,
         "prefix_hit_requests": m.prefix_hit_requests,
         "prefix_restored_pages": stats.get("prefix_restores", 0),
+        "staged_rows_host": m.staged_rows_host,
+        "staged_rows_device": m.staged_rows_device,
+        "staged_bytes_host": m.staged_bytes_host,
         "published_pages": stats.get("published_pages", 0),
         "generated_tokens": m.generated_tokens,
         "decode_steps": m.decode_steps,

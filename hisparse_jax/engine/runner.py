@@ -16,6 +16,9 @@
     prompt, the earlier chunks' rows read through the request's resident pages. With
     `enable_prefix_caching` there is "prefill_chunk" besides "prefill" (the rest of a prompt
     after its prefix hit), and jitted copies of a batch of pages' index keys out of and into a seat.
+    With `prefix_hit_pages="stage"` there is "prefill_chunk_staged" too: the chunk prefill of
+    a request with host-only earlier pages (its prefix hit's), which also takes the host
+    block-table row and the host pools and stages the rows its query rows select.
   * A plan is executed in order: block-table rows -> hot resets / invalidations (every index
     group's hot state) (`apply_plan_state`) -> restores (`restore`) -> the forward (decode,
     prefills) -> spills (`after_forward`, enqueued without waiting).
@@ -225,6 +228,10 @@ class Runner:
         already placed (e.g. tensor-parallel views); None: the model's, committed to `device`.
     """
 
+    # The rows the last `prefill_chunk` staged (from host, from device; summed over index
+    # groups): (0, 0) unless it ran the staged variant.
+    staged_rows: tuple[int, int] = (0, 0)
+
     def __init__(self, model: Transformer, ec: EngineConfig, cfg: HiSparseConfig,
                  residency: Residency, *, tables: Any, transfers: Any, host_pool: Any,
                  device: jax.Device | jax.sharding.Sharding, params: Any = None) -> None:
@@ -259,6 +266,9 @@ class Runner:
             # With prefix caching a one-shot engine prefills the rest of a hit prompt as one
             # chunk from its first uncached position.
             self.jitted["prefill_chunk"] = self._jit_prefill_chunk()
+        if ec.stages_prefix_hits:
+            # A chunk of a request with host-only earlier pages stages the rows it selects.
+            self.jitted["prefill_chunk_staged"] = self._jit_prefill_chunk(staged=True)
         if ec.prefill_chunk_size is None:
             self.jitted["prefill"] = (self._jit_synthetic_prefill() if ec.synthetic_prefill
                                       else self._jit_prefill())
@@ -509,39 +519,59 @@ class Runner:
         return (token, attention, time.perf_counter() - t0, ("prefill", T),
                 CompileWatch.count != compiles)
 
-    def prefill_chunk(self, req: Request, res_blocks: np.ndarray, start: int, num_tokens: int
+    def prefill_chunk(self, req: Request, res_blocks: np.ndarray, start: int, num_tokens: int,
+                      host_blocks: np.ndarray | None = None
                       ) -> tuple[int, np.ndarray | None, float, Hashable, bool]:
         """Prefills prompt tokens [start, start + num_tokens) of an admitted request whose
-        resident blocks `res_blocks` (int64[pages]) hold every page up to the chunk's last
-        position (`Transformer.prefill_chunk`); returns what `prefill` returns, the sampled
-        token meaningful after the prompt's last chunk only."""
+        resident blocks `res_blocks` (int64[pages]) hold every page from the chunk's first
+        page to its last position (`Transformer.prefill_chunk`); returns what `prefill`
+        returns, the sampled token meaningful after the prompt's last chunk only. A page
+        before the chunk's first page may be host-only (null in `res_blocks`) when
+        `host_blocks` (int64[>= pages], the request's host blocks) is given: the chunk then
+        runs as "prefill_chunk_staged" (its selected host-only rows staged from the host
+        pool; `staged_rows` counts them) whenever such a page exists."""
         T = self.prefill_length(num_tokens)
         padded = np.zeros(T, np.int32)
         padded[:num_tokens] = req.prompt[start:start + num_tokens]
         pages = np.zeros(self.cfg.max_pages, np.int32)
         pages[:len(res_blocks)] = res_blocks
+        host, self.staged_rows = None, (0, 0)
+        if host_blocks is not None and np.any(pages[:start // self.cfg.block_size] <= 0):
+            host = np.zeros(self.cfg.max_pages, np.int32)
+            host[:len(host_blocks)] = host_blocks
         compiles = CompileWatch.count
         t0 = time.perf_counter()
         token, aux = self._prefill_chunk(padded, start, num_tokens, req.seat, pages,
-                                         req.temperature, req.sampling_seed, req.live)
+                                         req.temperature, req.sampling_seed, req.live,
+                                         host_pages=host)
         token = int(token)
         attention = np.asarray(aux["attention"]) if "attention" in aux else None
-        return (token, attention, time.perf_counter() - t0, ("prefill_chunk", T),
+        kind = "prefill_chunk"
+        if host is not None:
+            kind = "prefill_chunk_staged"
+            self.staged_rows = (int(aux["staged_rows_host"]), int(aux["staged_rows_device"]))
+        return (token, attention, time.perf_counter() - t0, (kind, T),
                 CompileWatch.count != compiles)
 
     def _prefill_chunk(self, padded: np.ndarray, start: int, length: int, seat: int,
-                       pages: np.ndarray, temperature: float, seed: int, token_index: int
+                       pages: np.ndarray, temperature: float, seed: int, token_index: int, *,
+                       host_pages: np.ndarray | None = None
                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Dispatches the chunk prefill of padded tokens int32[T] (the first `length` real)
         at positions from `start`, of state row `seat` (out of range: no index-key row) with
         block-table row `pages` int32[max_pages] (0: none, nothing written); samples token
-        `token_index` of sampling seed `seed`."""
+        `token_index` of sampling seed `seed`. With `host_pages` int32[max_pages] (the host
+        block-table row) the staged variant, which also takes the host pools."""
         args = [self.params, self.cache,
                 *self._put((padded, np.int32(start), np.int32(length), np.int32(seat), pages,
                             np.float32(temperature))),
                 self.sample_key, *self._put((np.int32(_int32_bits(seed)),
                                              np.int32(token_index)))]
-        token, cache, aux = self.jitted["prefill_chunk"](*args)
+        name = "prefill_chunk"
+        if host_pages is not None:
+            name = "prefill_chunk_staged"
+            args += [self._put(host_pages), self.host_pool.arrays]
+        token, cache, aux = self.jitted[name](*args)
         self._set_cache(cache)
         return token, aux
 
@@ -639,7 +669,8 @@ class Runner:
         """Compiles every shape bucket a run can reach, with inputs that change no state a
         request can see (call it while no request is admitted). Returns the step variants it
         compiled (for the step clock); `warmed` lists every bucket by kind ("decode",
-        "prefill" or "prefill_chunk", "table_rows", "invalidation_widths", "spill_rows").
+        "prefill", "prefill_chunk", "prefill_chunk_staged", "table_rows",
+        "invalidation_widths", "spill_rows").
         decode=False leaves out this runner's decode variants (the mesh engine runs its own:
         `hisparse_jax/engine/mesh.py`).
 
@@ -663,7 +694,9 @@ class Runner:
             restore copies (`restore_fn`) of every row-list bucket up to every device block's
             rows, every row -1, the chunk prefill at every length a hit's rest can take (up to
             max_model_len - 1 without prefill_chunk_size) and the page index-key copies (read
-            and written back unchanged at seat 0) are compiled too.
+            and written back unchanged at seat 0) are compiled too; with prefix_hit_pages
+            "stage", the staged chunk prefill ("prefill_chunk_staged") at the chunk prefill's
+            lengths, with null host pages (it stages nothing).
         """
         cfg, S = self.cfg, self.cfg.max_num_reqs
         warmed: dict[str, list[Any]] = collections.defaultdict(list)
@@ -671,17 +704,20 @@ class Runner:
             jax.block_until_ready(self._decode(residency, *self._idle_inputs()))
             warmed["decode"].append(name)
         chunk = self.config.prefill_chunk_size
-        kinds = [kind for kind in ("prefill", "prefill_chunk") if kind in self.jitted]
+        kinds = [kind for kind in ("prefill", "prefill_chunk", "prefill_chunk_staged")
+                 if kind in self.jitted]
         for kind in kinds:
             longest = (cfg.max_model_len - 1 if kind == "prefill" or chunk is None
                        else min(chunk, cfg.max_model_len - 1))
             for T in sorted({self.prefill_length(n) for n in range(1, longest + 1)}):
+                null_pages = np.zeros(cfg.max_pages, np.int32)
                 if kind == "prefill":
                     token, _ = self._prefill(np.zeros(T, np.int32), 1, S,
                                              np.full(T, -1, np.int32), 0.0, 0, 0, 0)
-                else:
-                    token, _ = self._prefill_chunk(np.zeros(T, np.int32), 0, 1, S,
-                                                   np.zeros(cfg.max_pages, np.int32), 0.0, 0, 0)
+                else:  # staged: null host pages too (stages nothing)
+                    token, _ = self._prefill_chunk(
+                        np.zeros(T, np.int32), 0, 1, S, null_pages, 0.0, 0, 0,
+                        host_pages=null_pages if kind == "prefill_chunk_staged" else None)
                 jax.block_until_ready(token)
                 warmed[kind].append(T)
         if self._read_page_keys is not None:  # prefix caching: a page's keys, out and in
@@ -935,19 +971,23 @@ class Runner:
         return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",),
                        **self._placed_outputs())
 
-    def _jit_prefill_chunk(self) -> Callable[..., Any]:
+    def _jit_prefill_chunk(self, *, staged: bool = False) -> Callable[..., Any]:
+        """The chunk prefill; `staged`: the variant that also takes the host block-table row
+        and the host pools (`Transformer.prefill_chunk` staging)."""
         graphdef, treedef, ec = self.graphdef, self._params_treedef, self.config
 
         def prefill_chunk(params, cache, tokens, start, length, state_row, pages, temperature,
-                          key, seed, token_index):
+                          key, seed, token_index, host_pages=None, host_pools=()):
             keys = token_keys(key, seed[None], token_index[None])
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
             logits, cache, aux = model.prefill_chunk(
-                cache, tokens, start, length, state_row, pages,
-                attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
+                cache, tokens, start, length, state_row, pages, host_pages=host_pages,
+                host_pools=tuple(host_pools), attention_backend=ec.attention_backend,
+                collect_attention=ec.collect_attention)
             return sample(logits[None], temperature[None], keys)[0], cache, aux
 
-        return jax.jit(self._wrap(prefill_chunk, "prefill_chunk"), donate_argnames=("cache",),
+        name = "prefill_chunk_staged" if staged else "prefill_chunk"
+        return jax.jit(self._wrap(prefill_chunk, name), donate_argnames=("cache",),
                        **self._placed_outputs())
 
     def _jit_synthetic_prefill(self) -> Callable[..., Any]:

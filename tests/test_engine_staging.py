@@ -1,0 +1,237 @@
+"""Prefill staging of prefix hits (`EngineConfig.prefix_hit_pages="stage"`).
+
+A prefix hit's pages without a device copy stay host-only (no restore, no resident block);
+each prefill chunk of the request stages the rows its query rows select from them
+(`Transformer.prefill_chunk` with host pages, `stage_prefill_rows`), and the request decodes
+through its hot region afterwards. Greedy tokens equal those of an all-resident engine
+without prefix caching (`tests/test_engine_prefix.py`'s reference) for whole-page and
+mid-page hits, copy-on-write, several chunk sizes and pool pressure; every test checks that
+rows were staged and that no prefix restore ran, so it fails if the restore path runs.
+Warmup of the staged variant: `tests/test_engine_prefix.py`
+(`test_warmup_compiles_what_prefix_hits_reach`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse_jax import nn
+from hisparse_jax.cache import AllResident, HiSparseKVCache
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, EngineConfig
+from tests.engine_reference import AllResidentReference
+from tests.test_engine_prefix import (
+    HIT_CASES,
+    SIZES,
+    B,
+    _assert_keys_match_published,
+    _assert_same,
+    _serve,
+    _tokens,
+    check_hit_case,
+    check_shared_prefix,
+    tiny_model,
+)
+
+# 27 usable device blocks, 40 host blocks: fillers take the device blocks of the prefix's
+# published pages, so a later hit finds no device copy to adopt and reads host pages.
+PRESSURE = dict(num_gpu_blocks=28, num_host_blocks=41)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = AllResidentReference(tiny_model(), **SIZES)
+    yield ref
+    ref.close()
+
+
+def _engine(chunk, **kwargs):
+    return Engine(tiny_model(), EngineConfig(
+        enable_prefix_caching=True, prefix_hit_pages="stage", prefill_chunk_size=chunk,
+        **{**PRESSURE, **kwargs}, **SIZES))
+
+
+def _evict_device_copies(engine, reference, seed):
+    """Serves fillers that reuse every free device block (the published pages' copies)."""
+    fillers = [engine.add_request(_tokens(seed + i, 30), max_new_tokens=10) for i in range(3)]
+    done = engine.run()
+    for rid in fillers:
+        _assert_same(done[rid], reference)
+
+
+@pytest.fixture(scope="module", params=[None, 5, 8], ids=["one-shot", "chunk-5", "chunk-8"])
+def engine(request):
+    engine = _engine(request.param)
+    yield engine
+    engine.close()
+
+
+@HIT_CASES  # whole pages, a shared part ending mid-page, copy-on-write
+def test_a_staged_hit_decodes_what_all_resident_decodes(engine, reference, shared, tail,
+                                                        expect):
+    m, stats = engine.metrics, engine.scheduler.manager.stats
+    before = {}
+
+    def evict(engine, seed):
+        _evict_device_copies(engine, reference, seed + 2)
+        before.update(staged=m.staged_rows_host, hot_steps=m.decode_steps - m.fast_steps)
+
+    check_hit_case(engine, reference, shared, tail, expect, between=evict)
+    assert m.staged_rows_host > before["staged"]  # read from host pages by staging
+    assert stats["prefix_restores"] == 0  # never restored whole pages
+    # It decodes with host-only pages: through its hot region.
+    assert m.decode_steps - m.fast_steps > before["hot_steps"]
+    summary = engine.summary()
+    assert summary["staged_rows_host"] == m.staged_rows_host
+    # The tiny model has index groups of one layer: bytes of one row per staged row.
+    assert summary["staged_bytes_host"] == m.staged_rows_host * engine.row_bytes
+    _assert_keys_match_published(engine)
+
+
+def _first_then_evict(engine, reference, prompt, seed):
+    """Serves `prompt` (nothing reused; decodes what all-resident decodes), then fillers that
+    take its pages' device copies; returns the served request."""
+    out, reused = _serve(engine, prompt)
+    assert reused == 0
+    _assert_same(out, reference)
+    _evict_device_copies(engine, reference, seed)
+    return out
+
+
+def _assert_staged_not_restored(engine):
+    assert engine.metrics.staged_rows_host > 0
+    assert engine.scheduler.manager.stats["prefix_restores"] == 0
+
+
+def test_multi_turn_stages_the_first_turn(reference):
+    with contextlib.closing(_engine(6)) as engine:
+        prompt = _tokens(17, 14)
+        turn1 = _first_then_evict(engine, reference, prompt, 60)
+        prompt2 = [*prompt, *turn1.generated, *_tokens(18, 6)]
+        turn2, reused = _serve(engine, prompt2)
+        assert reused == (len(prompt) + 8 - 1) // B * B
+        _assert_same(turn2, reference)
+        _assert_staged_not_restored(engine)
+
+
+def test_concurrent_staged_hits_under_pressure(reference):
+    # Two hit requests and a filler admitted together, chunked, in a tight device pool: the
+    # hits prefill by staging while others hold the device blocks, then decode through their
+    # hot regions.
+    with contextlib.closing(_engine(5)) as engine:
+        first = _tokens(120, 24)
+        _first_then_evict(engine, reference, first, 121)
+        prompts = [first[:22] + _tokens(125, 6), first[:13] + _tokens(126, 9), _tokens(127, 28)]
+        hits = engine.metrics.prefix_hit_requests
+        ids = [engine.add_request(p, max_new_tokens=10) for p in prompts]
+        done = engine.run()
+        for rid in ids:
+            _assert_same(done[rid], reference)
+        assert [done[rid].num_cached for rid in ids] == [20, 12, 0]
+        assert engine.metrics.prefix_hit_requests - hits == 2
+        _assert_staged_not_restored(engine)
+        _assert_keys_match_published(engine)
+
+
+@pytest.fixture(scope="module")
+def staged_engine():
+    """A chunked staging engine under pool pressure (hypothesis examples share it)."""
+    with contextlib.closing(_engine(7)) as engine:
+        yield engine
+
+
+@given(shared=st.integers(4, 30), tail=st.integers(1, 10), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=5, deadline=None)
+def test_any_staged_prefix_decodes_what_all_resident_decodes(staged_engine, reference, shared,
+                                                             tail, seed):
+    def evict(engine):
+        _evict_device_copies(engine, reference, seed + 2)
+
+    check_shared_prefix(staged_engine, reference, shared, tail, seed, between=evict)
+    assert staged_engine.scheduler.manager.stats["prefix_restores"] == 0
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@functools.cache
+def _grouped_steps():
+    """The tiny model with one index group of both layers (the second layer reads the
+    leader's staged rows), its jitted chunk prefill (staged when host pages are given) and a
+    fresh all-resident cache of two state rows (the request uses row 1)."""
+    mc = nn.get_config("tiny", index_group_size=2)
+    graphdef, state = nnx.split(nn.init_model(mc, seed=1))
+    cfg = HiSparseConfig(top_k=mc.top_k, hot_size=mc.top_k, block_size=B, max_num_reqs=2,
+                         row_width=mc.row_width, kv_dtype=mc.kv_dtype,
+                         max_model_len=SIZES["max_model_len"],
+                         num_gpu_blocks=1 + 2 * SIZES["max_model_len"] // B)
+
+    def fresh():
+        kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=AllResident(),
+                                    index_group_size=mc.index_group_size)
+        return nn.DecodeCache(kv, tuple(jnp.zeros((2, cfg.max_model_len, mc.index_dim),
+                                                  mc.kv_dtype) for _ in range(mc.num_groups)))
+
+    @jax.jit
+    def chunk(cache, tokens, start, length, pages, host_pages=None, host_pools=()):
+        return nnx.merge(graphdef, state).prefill_chunk(
+            cache, tokens, start, length, jnp.int32(1), pages, host_pages=host_pages,
+            host_pools=host_pools, collect_attention=True)
+
+    return fresh, chunk
+
+
+@settings(max_examples=5, deadline=None)
+@given(start=st.integers(B, 36), k=st.integers(1, 11), seed=st.integers(0, 99))
+def test_a_staged_chunk_computes_what_the_resident_chunk_computes(pinned_host, start, k, seed):
+    # Chunk [start, start + k) after an all-resident first chunk [0, start): once with every
+    # page resident, once with the pages before start's page host-only (their device blocks
+    # zeroed, their rows in the host pool): the same logits, attention and written rows.
+    fresh, chunk = _grouped_steps()
+    rng = np.random.default_rng(seed)
+    n = SIZES["max_model_len"]
+    prompt = rng.integers(0, 512, start + k).astype(np.int32)
+    pages = rng.permutation(np.arange(1, 1 + 2 * n // B))[:n // B].astype(np.int32)
+    first = np.zeros(n, np.int32)
+    first[:start] = prompt[:start]
+    _, cache, _ = chunk(fresh(), first, jnp.int32(0), jnp.int32(start), pages)
+    padded = np.zeros(16, np.int32)
+    padded[:k] = prompt[start:]
+    hot = jax.tree.map(jnp.copy, cache)
+    want_logits, want, want_aux = chunk(hot, padded, jnp.int32(start), jnp.int32(k), pages)
+
+    host_only = np.arange(n // B) < start // B
+    host_pages = np.where(np.arange(n // B) < (start + k + B - 1) // B,
+                          1 + rng.permutation(n // B), 0).astype(np.int32)
+    pools, caches = [], []
+    for layer_cache in cache.kv.caches:
+        rows = np.asarray(layer_cache)
+        pool = np.zeros((1 + n // B, *rows.shape[1:]), rows.dtype)
+        pool[host_pages[host_only]] = rows[pages[host_only]]
+        pools.append(jax.device_put(pool, pinned_host))
+        rows = rows.copy()
+        rows[pages[host_only]] = 0  # the host-only pages' device copies are gone
+        caches.append(jnp.asarray(rows))
+    cold = dataclasses.replace(cache, kv=dataclasses.replace(cache.kv, caches=tuple(caches)))
+    res = np.where(host_only, 0, pages).astype(np.int32)
+    logits, got, aux = chunk(cold, padded, jnp.int32(start), jnp.int32(k), res, host_pages,
+                             tuple(pools))
+    assert int(aux["staged_rows_host"]) > 0 and int(aux["staged_rows_device"]) == 0
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(want_logits))
+    np.testing.assert_array_equal(np.asarray(aux["attention"], np.float32),
+                                  np.asarray(want_aux["attention"], np.float32))
+    written = pages[np.arange(start, start + k) // B] * B + np.arange(start, start + k) % B
+    for got_kv, want_kv in zip(got.kv.caches, want.kv.caches, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got_kv.reshape(-1, got_kv.shape[-1])[written], np.float32),
+            np.asarray(want_kv.reshape(-1, want_kv.shape[-1])[written], np.float32))

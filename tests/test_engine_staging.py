@@ -235,3 +235,19 @@ def test_a_staged_chunk_computes_what_the_resident_chunk_computes(pinned_host, s
         np.testing.assert_array_equal(
             np.asarray(got_kv.reshape(-1, got_kv.shape[-1])[written], np.float32),
             np.asarray(want_kv.reshape(-1, want_kv.shape[-1])[written], np.float32))
+
+
+def test_stage_is_refused_on_a_gpu_until_it_is_exact_there(monkeypatch):
+    """On the H200 the staged multi-turn run's tokens diverged from the run without reuse
+    (`docs/semantics.md`, prefill staging): the engine names the setting and refuses it on
+    any device but the CPU, before it allocates anything."""
+    import types
+
+    from hisparse_jax.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module.jax, "devices",
+                        lambda *a: [types.SimpleNamespace(platform="gpu")])
+    with pytest.raises(ValueError, match="prefix_hit_pages='stage' is exact on the CPU only"):
+        _engine(8)
+    monkeypatch.undo()
+    _engine(8).close()  # the CPU: built

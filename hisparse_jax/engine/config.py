@@ -139,7 +139,8 @@ class EngineConfig:
         and a whole-page restore from host before the prefill; "stage" leaves them host-only
         (read through the hot region once the request decodes) and each prefill chunk stages
         just the rows its query rows select from them (`Transformer.prefill_chunk` staging,
-        `docs/semantics.md`, prefill staging).
+        `docs/semantics.md`, prefill staging). "stage" is refused on a GPU for now: exact
+        against all-resident in the CPU tests, its greedy tokens diverged on the H200.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.

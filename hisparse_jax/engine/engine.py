@@ -319,6 +319,11 @@ class Engine:
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
         CompileWatch.start()
         self.device = device = jax.devices()[0]
+        if ec.stages_prefix_hits and device.platform != "cpu":
+            raise ValueError(
+                "Engine: EngineConfig.prefix_hit_pages='stage' is exact on the CPU only for "
+                f"now (on {device.platform} its greedy tokens diverged from the run without "
+                "reuse, with either staging copy; under investigation): use 'restore'")
         self.residency = residency = ec.residency
         if not residency.reads_host:
             host_pool = None

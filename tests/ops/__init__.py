@@ -36,7 +36,7 @@ def backends(op: str) -> list:
 
 
 def examples(share: float) -> int:
-    """A share of the active hypothesis profile's examples (ci: 60, long: 2000)."""
+    """A share of the active hypothesis profile's examples (ci: 45, long: 2000)."""
     return max(3, int(settings.default.max_examples * share))
 
 

@@ -78,7 +78,7 @@ class DeviceBlockTables:
                         for g, w in widths.items()}
         self.rows_sent = 0  # rows transferred so far, for tests and metrics
         self.rows_folded = 0  # of which inside a caller's call (`take_deferred`)
-        self._deferred: tuple[TableUpdate, int] | None = None
+        self._deferred: TableUpdate | None = None
 
     @classmethod
     def from_config(cls, config: Any, *, device: jax.Device | None = None) -> DeviceBlockTables:
@@ -180,18 +180,14 @@ class DeviceBlockTables:
         if max(counts) > max_rows:
             self.apply(update)
             return
-        self._deferred = (update, sum(counts))
+        self._deferred = update
 
     def flush(self) -> None:
         """Applies an update still deferred (no-op without one)."""
         if self._deferred is None:
             return
-        update, rows = self._deferred
-        self._deferred = None
-        counts = [len(getattr(update, g)) for g in GROUPS]
-        size = pow2_bucket(max(counts), MIN_ROWS_BUCKET)
-        self._send(self.pack(update, size), size)
-        self.rows_sent += rows
+        update, self._deferred = self._deferred, None
+        self.apply(update)
 
     def take_deferred(self, size: int) -> tuple[tuple[jax.Array, ...], np.ndarray]:
         """The three arrays (src, res, hot) as they are, and the deferred update packed for
@@ -201,18 +197,17 @@ class DeviceBlockTables:
         and hands the result to `adopt`; until then the deferred update stays kept, so a call
         that fails leaves it to the next reader."""
         if self._deferred is not None and max(
-                len(getattr(self._deferred[0], g)) for g in GROUPS) > size:
+                len(getattr(self._deferred, g)) for g in GROUPS) > size:
             self.flush()
-        update = None if self._deferred is None else self._deferred[0]
-        return tuple(self._arrays[g] for g in GROUPS), self.pack(update, size)
+        return tuple(self._arrays[g] for g in GROUPS), self.pack(self._deferred, size)
 
     def adopt(self, arrays: tuple[jax.Array, ...]) -> None:
         """Takes the arrays a `take_deferred` caller returned: the deferred update is in
         them now."""
         self._arrays = dict(zip(GROUPS, arrays, strict=True))
         if self._deferred is not None:
-            self.rows_sent += self._deferred[1]
-            self.rows_folded += self._deferred[1]
+            self.rows_sent += len(self._deferred)
+            self.rows_folded += len(self._deferred)
             self._deferred = None
 
     @property

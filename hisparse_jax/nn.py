@@ -504,15 +504,14 @@ class Transformer(nnx.Module):
         Staging (`host_pages` int32[P], the request's host block of each page, and
         `host_pools`, the per-layer pinned host pools; `docs/semantics.md`, prefill staging):
         pages before the chunk may then be host-only (null in `pages`). After each group
-        leader's selection, the selected positions < start whose page is not resident (and
-        has a host block) are deduplicated over the chunk's rows (at most M = min(T * top_k,
-        max_model_len) distinct positions) and copied once from the host pools into one
-        staging buffer [M, Ws] per layer of the group (`stage_prefill_rows`); every layer of
-        the group then attends over a dense copy [T, top_k, Ws] of its query rows' selected
-        rows (staged rows from the staging buffer, the rest through `pages`, after the
-        layer's own write), the same values in the same order as the resident read. aux gains
-        "staged_rows_host" / "staged_rows_device" (int32: rows per layer, summed over the
-        groups).
+        leader's selection, the distinct positions the chunk's rows select (at most M =
+        min(T * top_k, max_model_len)) are gathered into one compact array [M, Ws] per layer
+        of the group: those before the chunk once, by `stage_prefill_rows` (a resident copy
+        device to device, else the host pool's), the chunk's own after each layer's write;
+        each layer attends over its compact array, the same values in the same order per
+        query row as the resident read (and the KV array stays far below the attention
+        kernel's 2^31-element limit, whatever the chunk). aux gains "staged_rows_host" /
+        "staged_rows_device" (int32: rows per layer, summed over the groups).
         """
         T = tokens.shape[0]
         pos = start + jnp.arange(T, dtype=jnp.int32)
@@ -575,7 +574,7 @@ class Transformer(nnx.Module):
                             kv, g, topk, rows, pos[0], pages_batch, index_keys[g].shape[1])
                         counts = [counts[0] + from_host, counts[1] + from_device]
             if staged is not None:
-                stored, attend_rows = _staged_read(kv.caches[layer], rows, staged,
+                stored, attend_rows = _staged_read(kv.caches[layer], staged,
                                                    layer % c.index_group_size)
             else:
                 stored = kv.encode(row) if pages_batch is None else kv.caches[layer]
@@ -595,60 +594,72 @@ class Transformer(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Staged:
-    """One index group's staged rows in a chunk prefill (`_stage_group`): `buffers` [M, Ws]
-    per layer of the group, and `slots` int32[T, K], the staging row of each selected
-    position (-1: read through the resident table)."""
+    """One index group's selection in a chunk prefill (`_stage_group`): the distinct selected
+    positions of the chunk's rows, M of them at most (`positions` int32[M], ascending, -1
+    padding), `buffers` [M, Ws] per layer of the group holding the rows of those before the
+    chunk (staged), `rows` int32[M] the resident flat row of each (-1: none), and `ids`
+    int32[T, K] the union index each query row attends to (-1: no row)."""
 
     buffers: tuple[jax.Array, ...]
-    slots: jax.Array
+    positions: jax.Array
+    rows: jax.Array
+    ids: jax.Array
+    start: jax.Array
 
 
 def _stage_group(kv: HiSparseKVCache, group: int, topk: jax.Array, rows: jax.Array,
                  start: jax.Array, batch: CacheBatch, max_len: int
                  ) -> tuple[_Staged, jax.Array, jax.Array]:
-    """Stages the host-only rows of a chunk's selection topk int32[T, K] (`rows`: their
-    resident rows, -1 where not resident) for every layer of group `group`: positions
-    < `start` with no resident row and a host block, deduplicated (a mask over the
-    max_len positions, then at most M = min(T * K, max_len) of them in ascending order),
-    copied by `stage_prefill_rows`. Returns (the `_Staged`, rows from device, rows from
-    host)."""
+    """Gathers the rows a chunk's selection topk int32[T, K] reads (`rows`: their resident
+    rows, -1 where not resident) into one compact array per layer of group `group`: the
+    distinct selected positions (a mask over the max_len positions, then at most M = min(T
+    * K, max_len) of them in ascending order); those before `start` (written by earlier
+    chunks or a reused prefix, for every layer of the group) are copied now by
+    `stage_prefill_rows` (the resident copy where there is one, else the host's), those of
+    the chunk itself are read per layer after its write (`_staged_read`). A position whose
+    row exists nowhere (neither resident nor, before the chunk, on the host) is a hole, as
+    in the resident read. Returns (the `_Staged`, rows copied device to device, rows
+    copied from host)."""
     B = kv.block_size
     T, K = topk.shape
-    pages = jnp.maximum(topk, 0) // B
-    host = jnp.take(batch.src[0], jnp.minimum(pages, batch.src.shape[1] - 1))
-    want = (topk >= 0) & (topk < start) & (rows < 0) & (pages < batch.src.shape[1]) & (host > 0)
-    want &= batch.live[:, None]
+    P = batch.res.shape[1]
+    page_of = lambda p: jnp.minimum(jnp.maximum(p, 0) // B, P - 1)  # noqa: E731
+    host_of = lambda p: jnp.take(batch.src[0], page_of(p))  # noqa: E731
+    exists = (rows >= 0) | ((topk < start) & (topk // B < P) & (host_of(topk) > 0))
+    want = (topk >= 0) & exists & batch.live[:, None]
     mask = jnp.zeros(max_len, bool).at[jnp.where(want, topk, max_len)].set(True, mode="drop")
     M = min(T * K, max_len)
     (positions,) = jnp.nonzero(mask, size=M, fill_value=-1)
     positions = positions.astype(jnp.int32)
-    slot_of = jnp.full(max_len, -1, jnp.int32).at[
+    index_of = jnp.full(max_len, -1, jnp.int32).at[
         jnp.where(positions >= 0, positions, max_len)].set(jnp.arange(M, dtype=jnp.int32),
                                                             mode="drop")
-    slots = jnp.where(want, slot_of[jnp.where(want, topk, 0)], -1)
+    ids = jnp.where(want, index_of[jnp.where(want, topk, 0)], -1)
+    res_block = jnp.take(batch.res[0], page_of(positions))
+    union_rows = jnp.where((positions >= 0) & (res_block > 0),
+                           res_block * B + jnp.maximum(positions, 0) % B, -1)
     layers = slice(group * kv.index_group_size, (group + 1) * kv.index_group_size)
     caches = kv.caches[layers]
     out = stage_prefill_rows(
         batch.host_pools[layers], caches,
-        tuple(jnp.zeros((M, cache.shape[-1]), cache.dtype) for cache in caches), positions,
-        batch.src[0], batch.res[0], block_size=B, backend=kv.ops_backend)
-    return _Staged(out.staging, slots), out.rows_from_device, out.rows_from_host
+        tuple(jnp.zeros((M, cache.shape[-1]), cache.dtype) for cache in caches),
+        jnp.where(positions < start, positions, -1), batch.src[0], batch.res[0],
+        block_size=B, backend=kv.ops_backend)
+    return (_Staged(out.staging, positions, union_rows, ids, start), out.rows_from_device,
+            out.rows_from_host)
 
 
-def _staged_read(cache: jax.Array, rows: jax.Array, staged: _Staged, member: int
+def _staged_read(cache: jax.Array, staged: _Staged, member: int
                  ) -> tuple[jax.Array, jax.Array]:
-    """The rows a staged chunk's query rows attend over: a dense copy [T * K, Ws] of each
-    query row's selected rows (staging row where `staged.slots` >= 0, else the resident
-    row `rows` of `cache` [num_blocks, B, Ws]; member: the layer's index in its group) and
-    the attention rows int32[T, K] into it (-1 where neither exists)."""
-    T, K = rows.shape
+    """The rows a staged chunk's query rows attend over: the compact array [M, Ws] of the
+    group's distinct selected rows (staged rows before the chunk; the chunk's own rows from
+    `cache` [num_blocks, B, Ws], after the layer's write; member: the layer's index in its
+    group) and the attention rows int32[T, K] into it (-1: a hole). The values and their
+    order per query row are those of the resident read."""
     flat = cache.reshape(-1, cache.shape[-1])
-    slots = staged.slots
-    dense = jnp.where((slots >= 0)[..., None], staged.buffers[member][jnp.maximum(slots, 0)],
-                      flat[jnp.maximum(rows, 0)])
-    valid = (slots >= 0) | (rows >= 0)
-    ids = jnp.arange(T * K, dtype=jnp.int32).reshape(T, K)
-    return dense.reshape(T * K, -1), jnp.where(valid, ids, -1)
+    own = (staged.positions >= staged.start)[:, None]
+    compact = jnp.where(own, flat[jnp.maximum(staged.rows, 0)], staged.buffers[member])
+    return compact, staged.ids
 
 
 def init_model(cfg: ModelConfig | str, *, seed: int = 0) -> Transformer:

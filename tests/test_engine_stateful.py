@@ -23,7 +23,9 @@ engine is drained (every request finishes) and checked idle.
 
 `SpeculativeEngineMachine` runs the same rules with 2 draft tokens per step, drafted from the
 reference's tokens (each right with probability 0.6): lookahead rows, union residency,
-rejected drafts, and replay after preemptions, still with the all-resident tokens.
+rejected drafts, and replay after preemptions, still with the all-resident tokens; its
+reference decodes 3 (1 + k) rows per step, as many as the engine verifies (the model's
+arithmetic per row is then the same; with 3 rows a near-tie could round the other way).
 
 Both engines are built once per test session and drained between examples (construction and
 compilation are the cost). CI runs a small budget; a long run:
@@ -112,8 +114,11 @@ def engines(speculative_tokens=0):
     per session (per number of speculative tokens: with k > 0 drafts come from the
     reference, right or wrong at random, and the hot regions hold 1 + k steps' top-k)."""
     model = nn.init_model("tiny", seed=0)
-    reference = AllResidentReference(model, **SIZES)
     k = speculative_tokens
+    # The reference decodes as many rows per step as the speculative engine verifies (3 seats
+    # of 1 + k rows): a matmul of another row count rounds differently, and a near-tie of the
+    # random model then flips a token (seen: logits 3.08814 / 3.08804 for two tokens).
+    reference = AllResidentReference(model, **dict(SIZES, max_seats=SIZES["max_seats"] * (1 + k)))
     spec = {} if not k else dict(num_speculative_tokens=k,
                                  draft_source=ReferenceDraft(reference))
     engine = Engine(model, EngineConfig(num_gpu_blocks=DEVICE_BLOCKS + 8 * k,

@@ -15,7 +15,7 @@ os.environ.setdefault("HISPARSE_JAX_COMPILATION_CACHE", "0")
 # "ci": the default, sized so that `.ci/run` (three jax lines on two cores) stays well inside
 # its 90-minute limit; "long" for thorough runs (HISPARSE_HYPOTHESIS_PROFILE=long).
 settings.register_profile(
-    "ci", max_examples=int(os.environ.get("HISPARSE_EXAMPLES", "45")), deadline=None,
+    "ci", max_examples=int(os.environ.get("HISPARSE_EXAMPLES", "30")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "long", max_examples=int(os.environ.get("HISPARSE_EXAMPLES", "2000")), deadline=None,

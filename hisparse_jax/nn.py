@@ -623,8 +623,8 @@ def _stage_group(kv: HiSparseKVCache, group: int, topk: jax.Array, rows: jax.Arr
     B = kv.block_size
     T, K = topk.shape
     P = batch.res.shape[1]
-    page_of = lambda p: jnp.minimum(jnp.maximum(p, 0) // B, P - 1)  # noqa: E731
-    host_of = lambda p: jnp.take(batch.src[0], page_of(p))  # noqa: E731
+    page_of = lambda p: jnp.minimum(jnp.maximum(p, 0) // B, P - 1)
+    host_of = lambda p: jnp.take(batch.src[0], page_of(p))
     exists = (rows >= 0) | ((topk < start) & (topk // B < P) & (host_of(topk) > 0))
     want = (topk >= 0) & exists & batch.live[:, None]
     mask = jnp.zeros(max_len, bool).at[jnp.where(want, topk, max_len)].set(True, mode="drop")

@@ -226,7 +226,14 @@ def test_a_staged_chunk_computes_what_the_resident_chunk_computes(pinned_host, s
     res = np.where(host_only, 0, pages).astype(np.int32)
     logits, got, aux = chunk(cold, padded, jnp.int32(start), jnp.int32(k), res, host_pages,
                              tuple(pools))
-    assert int(aux["staged_rows_host"]) > 0  # the host-only pages' rows came from host
+    # The same staged chunk with every page resident copies the same distinct rows, all
+    # device to device; with the early pages host-only exactly those pages' rows come from host.
+    _, _, resident_aux = chunk(hot, padded, jnp.int32(start), jnp.int32(k), pages, host_pages,
+                               tuple(pools))
+    assert int(resident_aux["staged_rows_host"]) == 0
+    assert int(aux["staged_rows_host"]) > 0
+    assert (int(aux["staged_rows_host"]) + int(aux["staged_rows_device"])
+            == int(resident_aux["staged_rows_device"]))
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(want_logits))
     np.testing.assert_array_equal(np.asarray(aux["attention"], np.float32),
                                   np.asarray(want_aux["attention"], np.float32))

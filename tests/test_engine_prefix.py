@@ -23,6 +23,7 @@ tokens for the tiny model on a CPU):
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -265,8 +266,12 @@ def check_shared_prefix(engine, reference, shared, tail, seed, between=None):
     out, reused = _serve(engine, second)
     _assert_same(out, reference)
     # The first prompt's pages are the most recently released: still published. The second
-    # reuses those wholly inside the shared part (its last token is always computed).
-    assert reused == min(shared // B * B, len(second) - 1)
+    # reuses those wholly inside the shared part (its last token is always computed); the
+    # shared part is the common prefix, longer than `shared` when the first new token happens
+    # to equal the first prompt's next one (seen: seeds 117 / 118, token 200).
+    common = len(os.path.commonprefix([first, second]))
+    assert common >= shared
+    assert reused == min(common // B * B, len(second) - 1)
     _assert_keys_match_published(engine)
 
 

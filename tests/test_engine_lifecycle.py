@@ -284,6 +284,17 @@ def _failing_once(fn, *, after_call=False, at=3):
     return wrapped
 
 
+def lose_the_device_in_a_prefill(engine, monkeypatch, prompt, max_new_tokens):
+    """Serves `prompt` with a prefill that raises after its call (its donated device arrays
+    are gone): the request fails and the engine rebuilds its device state once."""
+    monkeypatch.setitem(engine.runner.jitted, "prefill",
+                        _failing_once(engine.runner.jitted["prefill"], after_call=True, at=1))
+    resets = engine.metrics.device_resets
+    rid = engine.add_request(prompt, max_new_tokens=max_new_tokens)
+    assert engine.run()[rid].finish_reason == "error"
+    assert engine.metrics.device_resets == resets + 1
+
+
 def _drain(engine, *, max_steps=500):
     """Steps until no work; returns (finished requests, exceptions raised by steps)."""
     done, raised = [], []

@@ -214,19 +214,14 @@ def test_warmup_compiles_what_prefix_hits_reach(reference, hit_pages):
 def test_a_device_reset_forgets_the_published_prefixes(reference, monkeypatch):
     # A prefill that loses the device arrays: they are rebuilt (zeros), so nothing published
     # before may be reused (its device copies are gone); the next prompt is computed whole.
-    from tests.test_engine_lifecycle import _failing_once
+    from tests.test_engine_lifecycle import lose_the_device_in_a_prefill
 
     engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True, **SIZES))
     try:
         first = _tokens(90, 22)
         _serve(engine, first)
         assert len(engine.prefix_keys) > 0
-        monkeypatch.setitem(engine.runner.jitted, "prefill",
-                            _failing_once(engine.runner.jitted["prefill"], after_call=True,
-                                          at=1))
-        rid = engine.add_request(_tokens(91, 10), max_new_tokens=GEN)
-        assert engine.run()[rid].finish_reason == "error"
-        assert engine.metrics.device_resets == 1
+        lose_the_device_in_a_prefill(engine, monkeypatch, _tokens(91, 10), GEN)
         assert len(engine.prefix_keys) == 0
         out, reused = _serve(engine, first[:20] + _tokens(92, 5))
         assert reused == 0
@@ -294,8 +289,7 @@ def test_the_key_store_drops_evicted_pages():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(enable_prefix_caching=1), "EngineConfig.enable_prefix_caching must be a bool"),
-    (dict(all_resident=True), "enable_prefix_caching needs the HiSparse mode"),
-    (dict(naive_offload=True), "enable_prefix_caching needs the HiSparse mode"),
+    (dict(naive_offload=True), "enable_prefix_caching needs naive_offload=False"),
     (dict(topk_source=DriftTopK()), "enable_prefix_caching needs the indexer"),
     (dict(num_speculative_tokens=1), "enable_prefix_caching needs num_speculative_tokens=0"),
 ])

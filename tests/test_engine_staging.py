@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -244,17 +245,30 @@ def test_a_staged_chunk_computes_what_the_resident_chunk_computes(pinned_host, s
             np.asarray(want_kv.reshape(-1, want_kv.shape[-1])[written], np.float32))
 
 
-def test_stage_is_refused_on_a_gpu_until_it_is_exact_there(monkeypatch):
-    """On the H200 the staged multi-turn run's tokens diverged from the run without reuse
-    (`docs/semantics.md`, prefill staging): the engine names the setting and refuses it on
-    any device but the CPU, before it allocates anything."""
-    import types
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_blocks", [None, 450], ids=["roomy", "pressure"])
+def test_gpu_multiturn_staging_decodes_what_no_reuse_decodes(tmp_path, gpu_blocks):
+    """dsv32-2l on the GPU kernels: 4 conversations of 3 turns (an 8,192-token first prompt,
+    then 1,024 user and 32 generated tokens a turn; chunks of 2,048), HiSparse with staged
+    prefix hits against HiSparse without reuse, with every conversation's pages fitting the
+    device pool and on 450 blocks (63% of the last turn's pages: hits find pages on host):
+    greedy tokens identical, rows staged from host, each later turn computing only its new
+    tokens. (The first staging version diverged here: its dense copy of T * top_k rows passed
+    the Triton attention kernel's 2^31-element limit.)"""
+    from bench import multiturn
 
-    from hisparse_jax.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module.jax, "devices",
-                        lambda *a: [types.SimpleNamespace(platform="gpu")])
-    with pytest.raises(ValueError, match="prefix_hit_pages='stage' is exact on the CPU only"):
-        _engine(8)
-    monkeypatch.undo()
-    _engine(8).close()  # the CPU: built
+    out = tmp_path / "mt.json"
+    args = ["--conversations", "4", "--first-prompt", "8192", "--turns", "3",
+            "--user-tokens", "1024", "--gen-tokens", "32", "--prefill-chunk-size", "2048",
+            "--ttft-from-turn", "1", "--modes", "hisparse-reuse,hisparse",
+            "--prefix-hit-pages", "stage", "--no-warmup", "--no-plot", "--output", str(out)]
+    if gpu_blocks:
+        args += ["--gpu-blocks", str(gpu_blocks)]
+    assert multiturn.main(args) == 0
+    record = json.loads(out.read_text())
+    assert record["ratios"]["tokens_identical_to_hisparse"]
+    reuse = next(r for r in record["results"] if r["mode"] == "hisparse-reuse")
+    for turn in reuse["turns"][1:]:
+        assert turn["prompt_tokens_computed"] <= 4 * (1024 + 32 + 64), turn
+    if gpu_blocks:
+        assert reuse["staged_bytes_h2d"] > 0

@@ -131,16 +131,19 @@ class EngineConfig:
         position, also without prefill_chunk_size), its hit pages restored into resident
         blocks (or read by staging: prefix_hit_pages) and their index keys copied into its
         seat (the engine keeps the keys of every published page on the host:
-        `hisparse_jax/engine/prefix_keys.py`). Needs the HiSparse
-        mode (neither all_resident nor naive_offload), the indexer (no topk_source) and no
-        speculation (num_speculative_tokens=0).
+        `hisparse_jax/engine/prefix_keys.py`). With all_resident it is seat reuse instead:
+        a state row freed by a finished request keeps its rows, and a later prompt that
+        extends them (the next turn of a conversation) is admitted into that row and
+        prefills only the rest; a kept row serves one later request and the free rows are
+        all the memory that keeps them (`StaticResidency`). Not with naive_offload; needs
+        the indexer (no topk_source), no speculation (num_speculative_tokens=0) and
+        async_scheduling=False.
       prefix_hit_pages: how a prefix hit's pages without a device copy are read by its
         prefill (with enable_prefix_caching): "restore" (default) gives each a resident block
         and a whole-page restore from host before the prefill; "stage" leaves them host-only
         (read through the hot region once the request decodes) and each prefill chunk stages
         just the rows its query rows select from them (`Transformer.prefill_chunk` staging,
-        `docs/semantics.md`, prefill staging). "stage" is refused on a GPU for now: exact
-        against all-resident in the CPU tests, its greedy tokens diverged on the H200.
+        `docs/semantics.md`, prefill staging).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -242,9 +245,9 @@ class EngineConfig:
                              "are not kept with an external top-k source")
         if self.enable_prefix_caching:
             for broken, rule in (
-                    (self.all_resident or self.naive_offload,
-                     "the HiSparse mode (all_resident and naive_offload False): published pages "
-                     "live in the host tier"),
+                    (self.naive_offload,
+                     "naive_offload=False: naive offload reads every row from host and keeps "
+                     "nothing on the device to reuse"),
                     (self.topk_source is not None,
                      "the indexer (topk_source None): a hit copies the prefix's index keys"),
                     (k != 0, "num_speculative_tokens=0: a page's index keys are kept when it "
@@ -257,6 +260,9 @@ class EngineConfig:
         if self.prefix_hit_pages not in PREFIX_HIT_PAGES:
             raise ValueError(f"EngineConfig.prefix_hit_pages must be one of {PREFIX_HIT_PAGES}, "
                              f"got {self.prefix_hit_pages!r}")
+        if self.prefix_hit_pages == "stage" and self.all_resident:
+            raise ValueError("EngineConfig.prefix_hit_pages='stage' needs the HiSparse mode "
+                             "(all_resident False): all-resident rows are never host-only")
         if self.prefix_hit_pages == "stage" and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.prefix_hit_pages='stage' needs "
                              "enable_prefix_caching=True (only prefix hits have host-only pages "

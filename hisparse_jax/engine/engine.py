@@ -25,7 +25,9 @@ uncached position); the hit pages are made resident before the step (or, with
 `prefix_hit_pages="stage"`, stay host-only and each chunk stages the rows it selects:
 `docs/semantics.md`, prefill staging) and their index keys come from the engine's
 `IndexKeyStore` (`prefix_keys.py`), filled when a page seals and dropped with the published
-page (`docs/semantics.md`, prefix reuse in the engine).
+page (`docs/semantics.md`, prefix reuse in the engine). In the all-resident mode the same
+flag is seat reuse (`StaticResidency`): a finished request's state row keeps its rows and a
+later prompt extending them prefills only the rest, its rows and index keys already in place.
 
 For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
 source instead of the indexer, and `synthetic_prefill` writes deterministic random KV rows
@@ -319,11 +321,6 @@ class Engine:
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
         CompileWatch.start()
         self.device = device = jax.devices()[0]
-        if ec.stages_prefix_hits and device.platform != "cpu":
-            raise ValueError(
-                "Engine: EngineConfig.prefix_hit_pages='stage' is exact on the CPU only for "
-                f"now (on {device.platform} its greedy tokens diverged from the run without "
-                "reuse, with either staging copy; under investigation): use 'restore'")
         self.residency = residency = ec.residency
         if not residency.reads_host:
             host_pool = None
@@ -368,7 +365,8 @@ class Engine:
                     mirror_group_fn=functools.partial(mirror_rows_group,
                                                       backend=ec.ops_backend))
             else:
-                manager, transfers = StaticResidency(cfg), NoTransfers()
+                manager = StaticResidency(cfg, reuse_seats=ec.enable_prefix_caching)
+                transfers = NoTransfers()
             self.runner = Runner(model, ec, cfg, residency,
                                  tables=DeviceBlockTables.from_config(cfg, device=device),
                                  transfers=transfers, host_pool=host_pool, device=device)
@@ -385,7 +383,7 @@ class Engine:
         # Prefix caching: host copies of the index keys of published pages (`prefix_keys.py`).
         self.prefix_keys: IndexKeyStore | None = None
         self._key_owners: set[Hashable] = set()  # requests that staged keys
-        if ec.enable_prefix_caching:
+        if ec.enable_prefix_caching and residency.reads_host:  # all-resident: seat reuse
             self.prefix_keys = IndexKeyStore()
             manager.listen(on_publish=self._on_publish,
                            on_unpublish=self.prefix_keys.on_unpublish)
@@ -754,8 +752,8 @@ class Engine:
         try:
             view = scheduler.manager.view(req.request_id)
             blocks = np.asarray(view.resident_blocks, np.int64)
-            if first and req.num_cached:
-                self._load_prefix_keys(req, runner)
+            if first and req.num_cached and self.prefix_keys is not None:
+                self._load_prefix_keys(req, runner)  # (a reused seat has its keys in place)
             if self.config.prefill_chunk_size is None and not req.num_prefilled:
                 out = runner.prefill(req, blocks)
             else:  # a chunk, or the rest of a prompt after its prefix hit

@@ -11,6 +11,20 @@ API the scheduler and the runner call, with a fixed layout and nothing to move:
   * no host blocks and no hot regions: the `src` and `hot` table rows are null, every page is
     resident (`all_pages_resident` is always True, so every decode step is `AllResident`);
   * a request waits only for a free state row.
+
+Seat reuse (`reuse_seats`, the all-resident mode of `EngineConfig.enable_prefix_caching`): a
+state row freed by a request that FINISHED keeps the token ids of its written rows (its
+prompt and generated tokens, less the last sampled one, which no step wrote). A later prompt
+that starts with them reuses that row: `cached_tokens` / `admit` count the kept rows that
+match the prompt in whole pages of `block_size` tokens, at most `len(prompt) - 1` (the host
+tier's rule for published pages, so both modes compute the same remaining tokens), and the
+request prefills from there; its KV rows and index keys before that position are the ones
+already in the row. Admission takes the free row with the longest match, else a row that
+keeps nothing (the lowest), else the row kept longest ago; taking a row forgets what it
+kept. A preempted, cancelled or aborted request keeps nothing (its rows are not trusted), and
+`drop_prefix_cache` forgets every kept row (the engine calls it after rebuilding lost device
+arrays). Unlike the host tier's prefix cache, a kept row serves one later request: there is no
+sharing between running requests, and the memory that keeps rows is the free rows.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import heapq
 from collections.abc import Hashable, Sequence
 
 import jax
+import numpy as np
 
 from hisparse_jax.config import HiSparseConfig
 from host_tier import Admitted, BlockTables, RequestView, Wait
@@ -51,11 +66,13 @@ class StaticResidency:
 
     Args:
       cfg: sizes (block_size, max_num_reqs, max_model_len, hot_blocks: the hot table width).
+      reuse_seats: keep a finished request's rows in its free state row for a later prompt
+        that extends them (module docstring; `enable_prefix_caching`).
     """
 
     hot_blocks = 0  # no hot regions: admission keeps no room for one
 
-    def __init__(self, cfg: HiSparseConfig) -> None:
+    def __init__(self, cfg: HiSparseConfig, *, reuse_seats: bool = False) -> None:
         self.block_size = cfg.block_size
         self.max_pages = P = cfg.max_pages
         self.tables = BlockTables(cfg.max_num_reqs, P, cfg.hot_blocks)
@@ -68,6 +85,11 @@ class StaticResidency:
         self._pass: list[Hashable] = []
         self._step = 0
         self.max_model_len = cfg.max_model_len
+        self.enable_prefix_caching = reuse_seats
+        # Seat reuse: each admitted request's token ids (prompt, then scheduled new tokens),
+        # and per free state row the written rows' token ids it keeps, oldest first.
+        self._tokens: dict[Hashable, list[int]] = {}
+        self._kept: dict[int, np.ndarray] = {}
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._seats
@@ -83,16 +105,60 @@ class StaticResidency:
         if not self._free_rows:
             return Wait("state_rows", 1, 0, "every state row is in use; a request must finish")
         total = len(prompt_token_ids)
-        n = total if num_new_tokens is None else num_new_tokens
-        self._seats[request_id] = _Seat(heapq.heappop(self._free_rows), 0, total, n)
+        cached, row = 0, self._free_rows[0]
+        if self.enable_prefix_caching:
+            cached, row = self._best_row(prompt_token_ids)
+            self._kept.pop(row, None)
+            self._free_rows.remove(row)
+            heapq.heapify(self._free_rows)
+            self._tokens[request_id] = list(prompt_token_ids)
+        else:
+            heapq.heappop(self._free_rows)
+        n = total - cached if num_new_tokens is None else num_new_tokens
+        if not 0 <= n <= total - cached:
+            raise ValueError(f"admit: num_new_tokens must be in [0, {total - cached}] (the "
+                             f"prompt's {total} tokens less {cached} reused), got {n}")
+        self._seats[request_id] = _Seat(row, cached, total, n)
         self._pass.append(request_id)
-        return Admitted(request_id, self._seats[request_id].state_row, 0, n)
+        return Admitted(request_id, row, cached, n)
+
+    def cached_tokens(self, prompt_token_ids: Sequence[int]) -> int:
+        """The prompt tokens `admit` would reuse from a free row's kept rows right now (0
+        without seat reuse). Changes nothing."""
+        if not self.enable_prefix_caching or not self._free_rows:
+            return 0
+        return self._best_row(prompt_token_ids)[0]
+
+    def _best_row(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """(reused tokens, free row): the longest match, else the lowest row keeping nothing,
+        else the row kept longest ago (`_kept` is oldest first)."""
+        B = self.block_size
+        best, row = 0, -1
+        if self._kept:
+            ids = np.asarray(prompt, np.int64)
+            for r, kept in self._kept.items():
+                n = min(len(kept), len(ids))
+                same = kept[:n] == ids[:n]
+                common = n if same.all() else int(np.argmin(same))
+                reused = min(common // B * B, len(ids) - 1)
+                if reused > best:
+                    best, row = reused, r
+        if row < 0:
+            empty = [r for r in self._free_rows if r not in self._kept]
+            row = min(empty) if empty else next(iter(self._kept))
+        return best, row
+
+    def drop_prefix_cache(self) -> None:
+        """Forgets every kept row (their device rows are gone, e.g. rebuilt as zeros)."""
+        self._kept.clear()
 
     def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
                  new_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0) -> None:
         del num_lookahead_tokens  # every page of the seat is resident already
         seat = self._seats[request_id]
         seat.num_tokens += len(new_token_ids)
+        if self.enable_prefix_caching:
+            self._tokens[request_id].extend(int(t) for t in new_token_ids)
         seat.scheduled = seat.num_tokens - seat.num_computed if num_tokens is None else num_tokens
         self._pass.append(request_id)
 
@@ -161,20 +227,28 @@ class StaticResidency:
         return None
 
     def finish(self, request_id: Hashable) -> None:
+        """Frees the request's state row; with seat reuse the row keeps its written rows'
+        token ids (the steps of every built plan ran: a request finishes once collected)."""
+        self._release(request_id, keep=True)
+
+    def _release(self, request_id: Hashable, *, keep: bool) -> None:
         seat = self._seats.pop(request_id)
         if seat.scheduled:  # scheduled in the open pass, but its step will not run
             self._pass.remove(request_id)
+        tokens = self._tokens.pop(request_id, None)
+        if keep and tokens is not None and seat.num_computed:
+            self._kept[seat.state_row] = np.asarray(tokens[:seat.num_computed], np.int64)
         heapq.heappush(self._free_rows, seat.state_row)
 
     def cancel(self, request_id: Hashable) -> None:
-        self.finish(request_id)
+        self._release(request_id, keep=False)
 
     def preempt(self, request_id: Hashable) -> None:
-        self.finish(request_id)
+        self._release(request_id, keep=False)
         self.stats["preemptions"] += 1
 
     def abort(self, request_id: Hashable) -> None:
-        self.finish(request_id)
+        self._release(request_id, keep=False)
         self.stats["aborts"] += 1
 
     def failed_requests(self) -> tuple[Hashable, ...]:

@@ -16,8 +16,10 @@
 #        request), e2e_indexer (the model's indexer at 64K), e2e_deep (8 layers), cmdbuf (XLA
 #        command buffers: tokens and e2e at 256 with and without), async (asynchronous
 #        scheduling: decode check, e2e with and without, profile at 256), multiturn (prefix
-#        reuse with real chunked prefill: bench/multiturn.py), profile_compare (the async profile
-#        at 256 for .baseline/ and for this tree)
+#        reuse with real chunked prefill: bench/multiturn.py), multiturn_scale (the same past
+#        64K tokens, 8 conversations, against all-resident with seat reuse), profile_compare
+#        (the async profile at 256 for .baseline/ and for this tree), e2e_repeat1_async (the
+#        three pairs at 1 request with asynchronous scheduling)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -51,7 +53,7 @@ run_step() {  # name, time limit in s, command...
       env) run_step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices(), [m.kind for m in jax.devices()[0].addressable_memories()])"' ;;
       # The GPU-scale engine test (2-4 min) is left to `decode`, which checks the same
       # exactness (--check: tokens against all-resident) on the same config.
-      tests) run_step tests 330 python3 -m pytest -m gpu -q -rfE --timeout=300 -p no:cacheprovider -k "not gpu_scale" tests ;;
+      tests) run_step tests 480 python3 -m pytest -m gpu -q -rfE --timeout=300 -p no:cacheprovider -k "not gpu_scale" tests ;;
       # 8 prompts of up to 3500 tokens on 400 device blocks of 64 rows (all-resident: 8 x 56):
       # requests move to hot regions, pages are lost and read from host; tokens are checked.
       decode) run_step decode 150 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
@@ -90,6 +92,10 @@ run_step() {  # name, time limit in s, command...
         for i in 1 2 3; do
           run_step "e2e_repeat1_$i" 150 python3 -m bench.e2e_decode --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-$i-gpu.json"
         done ;;
+      e2e_repeat1_async)
+        for i in 1 2 3; do
+          run_step "e2e_repeat1_async_$i" 150 python3 -m bench.e2e_decode --async-scheduling --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-async-$i-gpu.json"
+        done ;;
       # The model's own indexer selecting over 64K synthetic index keys (not the drift model).
       e2e_indexer) run_step e2e_indexer 300 python3 -m bench.e2e_decode --indexer --concurrency 1,256 --modes hisparse,all-resident --no-plot --output bench/results/e2e_decode-indexer-gpu.json ;;
       # A deeper model: 8 layers at 1 request and at 96 (the most whose 64K contexts the
@@ -115,7 +121,11 @@ run_step() {  # name, time limit in s, command...
         run_step profile_async_256 150 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --output bench/results/profile_step-gpu-hisparse-256-async.json ;;
       # Multi-turn serving, real chunked prefill: prefix reuse against none and all-resident
       # (4 conversations, 8K-token first prompts, 7 turns of 1,024 new and 32 generated tokens).
-      multiturn) run_step multiturn "${MULTITURN_LIMIT:-300}" python3 -m bench.multiturn --conversations 4 --first-prompt 8192 --turns 7 --user-tokens 1024 --gen-tokens 32 --prefill-chunk-size 2048 --ttft-from-turn 5 ;;
+      multiturn) run_step multiturn "${MULTITURN_LIMIT:-300}" python3 -m bench.multiturn --conversations 4 --first-prompt 8192 --turns 7 --user-tokens 1024 --gen-tokens 32 --prefill-chunk-size 2048 --ttft-from-turn 5 --prefix-hit-pages stage --modes hisparse-reuse,hisparse,all-resident-reuse,all-resident ;;
+      # Contexts past 64K (61,440-token first prompts, 3 turns of 2,048 + 64) for 8
+      # conversations on a GPU KV budget of 2,641 blocks: 1.1 x (8 hot regions + tails, two
+      # prompts in flight), which holds 2 full conversations all-resident.
+      multiturn_scale) run_step multiturn_scale "${MULTITURN_SCALE_LIMIT:-560}" python3 -m bench.multiturn --conversations 8 --first-prompt 61440 --turns 3 --user-tokens 2048 --gen-tokens 64 --prefill-chunk-size 2048 --gpu-blocks 2641 --ttft-from-turn 1 --prefix-hit-pages stage --modes hisparse-reuse,all-resident-reuse --output bench/results/multiturn-64k-gpu.json ;;
       spec_gpu) run_step spec_gpu 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine_speculative.py ;;
       decode_spec) run_step decode_spec 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --gpu-blocks 500 --prefill-bucket 4096 --speculative-tokens 2 --check ;;
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;

@@ -13,7 +13,12 @@ Modes (one engine each, one after another, the same model, GPU KV budget and wor
     pool, and only the new tokens are prefilled (`--prefix-hit-pages`: pool pages restored
     whole before the prefill, or only the rows its chunks select staged);
   * `hisparse`: the host tier, every turn prefills its whole prompt again;
-  * `all-resident`: every row on the GPU (no host tier; admission capped by the budget).
+  * `all-resident-reuse`: every row on the GPU (no host tier) with seat reuse
+    (`EngineConfig.enable_prefix_caching` in the all-resident mode: a finished turn's seat
+    keeps its rows and the conversation's next turn reuses them while nobody else took the
+    seat); the same GPU KV budget holds `(budget - 1) // pages` full conversations at once
+    (seats), the rest wait;
+  * `all-resident`: the same without reuse (not run by default).
 
 Prefill is REAL (the model runs over every prompt token it computes, in chunks of
 `--prefill-chunk-size` sharing steps with decode), unlike `bench/e2e_decode.py`'s synthetic
@@ -45,7 +50,8 @@ from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier.sizes import cdiv
 
-MODES = ("hisparse-reuse", "hisparse", "all-resident")
+MODES = ("hisparse-reuse", "hisparse", "all-resident-reuse", "all-resident")
+DEFAULT_MODES = MODES[:3]
 
 
 def _modes(text: str) -> list[str]:
@@ -62,22 +68,34 @@ def max_model_len(args: argparse.Namespace) -> int:
             + args.block_size)
 
 
+def gpu_budget(args: argparse.Namespace) -> tuple[int, int]:
+    """(GPU KV budget in blocks per layer, full conversations it holds all-resident): the
+    budget is `--gpu-blocks`, by default every conversation's last turn plus two blocks."""
+    pages = cdiv(max_model_len(args), args.block_size)
+    budget = args.gpu_blocks or (args.conversations * (pages + 2) + 1)
+    return budget, min(args.conversations, (budget - 1) // pages)
+
+
 def engine_config(args: argparse.Namespace, mode: str) -> EngineConfig:
-    """The `EngineConfig` of `mode` (raises ValueError where the engine refuses it)."""
-    L = max_model_len(args)
-    gpu_blocks = args.gpu_blocks or (args.conversations * (cdiv(L, args.block_size) + 2) + 1)
+    """The `EngineConfig` of `mode` (raises ValueError where the engine refuses it): the
+    HiSparse modes seat every conversation in the budget's blocks, the all-resident modes
+    as many full conversations as the budget holds."""
+    budget, resident_seats = gpu_budget(args)
+    all_resident = mode.startswith("all-resident")
+    if all_resident and resident_seats < 1:
+        raise ValueError(f"the GPU KV budget of {budget} blocks holds no full conversation "
+                         f"of {max_model_len(args)} tokens")
     fields: dict[str, Any] = dict(
-        max_seats=args.conversations, max_model_len=L, block_size=args.block_size,
+        max_seats=resident_seats if all_resident else args.conversations,
+        max_model_len=max_model_len(args), block_size=args.block_size,
         hot_size=args.hot_size, prefill_chunk_size=args.prefill_chunk_size,
         prefill_bucket=args.prefill_chunk_size,
         max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
-        num_gpu_blocks=None if mode == "all-resident" else gpu_blocks,
-        all_resident=mode == "all-resident", seed=0)
-    if mode == "hisparse-reuse":
+        num_gpu_blocks=None if all_resident else budget, all_resident=all_resident, seed=0)
+    if mode.endswith("-reuse"):
         fields["enable_prefix_caching"] = True
+    if mode == "hisparse-reuse":
         fields["prefix_hit_pages"] = args.prefix_hit_pages
-    if mode == "all-resident" and args.gpu_blocks:
-        fields["num_gpu_blocks"] = args.gpu_blocks
     return EngineConfig(**fields)
 
 
@@ -188,13 +206,14 @@ def ratios(results: list[dict[str, Any]], from_turn: int) -> dict[str, Any]:
 def plot(path_json: Path, path_png: Path) -> None:
     """TTFT p50 per turn per mode (left), prompt tokens computed per turn (right)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     record = json.loads(Path(path_json).read_text())
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r, style in zip(record["results"], ("o-", "^:", "s--"), strict=False):
+    for r, style in zip(record["results"], ("o-", "^:", "s--", "d-."), strict=False):
         if "turns" not in r:
             continue
         turns = [t["turn"] for t in r["turns"]]
@@ -211,6 +230,7 @@ def plot(path_json: Path, path_png: Path) -> None:
     ax2.set_xlabel("turn")
     ax2.set_ylabel("prompt tokens computed")
     for a in (ax, ax2):
+        a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         a.grid(True, which="both", alpha=0.3)
         a.legend()
     fig.tight_layout()
@@ -230,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--hot-size", type=int, default=None)
     p.add_argument("--gpu-blocks", type=int, default=None,
-                   help="GPU KV budget in blocks per layer (default: every conversation's "
-                        "last turn fits)")
+                   help="GPU KV budget in blocks per layer, every mode (default: every "
+                        "conversation's last turn fits); all-resident seats as many full "
+                        "conversations as it holds")
     p.add_argument("--prefill-chunk-size", type=int, default=4096)
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=None)
-    p.add_argument("--modes", type=_modes, default=list(MODES))
+    p.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES))
     p.add_argument("--prefix-hit-pages", choices=("restore", "stage"), default="restore",
                    help="hisparse-reuse: restore a hit's host pages whole before its prefill, "
                         "or stage the rows its chunks select (EngineConfig.prefix_hit_pages)")
@@ -266,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
               "prefill_chunk_size": args.prefill_chunk_size,
               "prefix_hit_pages": args.prefix_hit_pages,
               "max_model_len": max_model_len(args),
-              "gpu_blocks": configs[args.modes[0]].num_gpu_blocks,
+              "gpu_blocks": gpu_budget(args)[0], "all_resident_seats": gpu_budget(args)[1],
               "prefill": "real (the model over every computed prompt token, chunked)",
               "sampling": "greedy"}
     results: list[dict[str, Any]] = []

@@ -17,10 +17,11 @@ def test_multiturn_benchmark_reuses_prefixes_and_writes_its_record(tmp_path):
         "--config", "tiny", "--conversations", str(N), "--turns", str(TURNS),
         "--first-prompt", str(FIRST), "--user-tokens", str(USER), "--gen-tokens", str(GEN),
         "--block-size", str(B), "--prefill-chunk-size", "32", "--ttft-from-turn", "1",
-        "--output", str(out), "--no-plot", "--no-warmup"])
+        "--modes", ",".join(multiturn.MODES), "--output", str(out), "--no-plot", "--no-warmup"])
     assert rc == 0
     record = json.loads(out.read_text())
     assert record["config"]["prefill"].startswith("real")
+    assert record["config"]["all_resident_seats"] == N  # the default budget holds them all
     runs = {r["mode"]: r for r in record["results"]}
     assert set(runs) == set(multiturn.MODES)
     for mode, r in runs.items():
@@ -32,7 +33,7 @@ def test_multiturn_benchmark_reuses_prefixes_and_writes_its_record(tmp_path):
             assert turn["prompt_tokens_submitted"] == N * (FIRST + t * (USER + GEN) + USER)
             assert turn["generated_tokens"] == N * GEN
             assert 0 < turn["ttft_s_p50"] <= turn["ttft_s_p95"] <= turn["wall_s"]
-            if mode != "hisparse-reuse" or t == 0:
+            if not mode.endswith("-reuse") or t == 0:
                 assert turn["prompt_tokens_computed"] == turn["prompt_tokens_submitted"], (
                     mode, turn)
             else:
@@ -43,7 +44,10 @@ def test_multiturn_benchmark_reuses_prefixes_and_writes_its_record(tmp_path):
                                                         - turn["prompt_tokens_computed"])
     ratios = record["ratios"]
     assert set(ratios) >= {"ttft_p50_hisparse_over_reuse", "throughput_reuse_over_hisparse",
-                           "throughput_reuse_over_all-resident"}
+                           "throughput_reuse_over_all-resident",
+                           "throughput_reuse_over_all-resident-reuse"}
+    for mode in ("hisparse", "all-resident-reuse", "all-resident"):
+        assert ratios[f"tokens_identical_to_{mode}"], mode
     reuse = runs["hisparse-reuse"]
     assert ratios["throughput_reuse_over_hisparse"] == pytest.approx(
         reuse["processed_tokens_per_s"] / runs["hisparse"]["processed_tokens_per_s"])
@@ -56,3 +60,35 @@ def test_multiturn_benchmark_checks_its_flags():
         multiturn.main(["--user-tokens", "0"])
     with pytest.raises(SystemExit):
         multiturn.main(["--modes", "hisparse,bogus"])
+
+
+def test_all_resident_seats_what_the_budget_holds(tmp_path):
+    # A budget of 2 full conversations (+ the null block) for 3: all-resident seats 2, the
+    # third waits. Turns in rounds defeat the seats' LRU: turn 1's first prompt (conversation
+    # 0, kept nowhere) takes the row kept longest ago (conversation 1's), the second the other
+    # one, so nothing is reused; tokens equal those of the mode without reuse.
+    from bench import multiturn
+
+    out = tmp_path / "mt.json"
+    pages = -(-(FIRST + 2 * (USER + GEN) + B) // B)
+    rc = multiturn.main([
+        "--config", "tiny", "--conversations", str(N), "--turns", "2",
+        "--first-prompt", str(FIRST), "--user-tokens", str(USER), "--gen-tokens", str(GEN),
+        "--block-size", str(B), "--prefill-chunk-size", "32", "--ttft-from-turn", "1",
+        "--gpu-blocks", str(2 * pages + 1), "--modes", "all-resident-reuse,all-resident",
+        "--output", str(out), "--no-plot", "--no-warmup"])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["all_resident_seats"] == 2
+    runs = {r["mode"]: r for r in record["results"]}
+    assert {r["seats"] for r in runs.values()} == {2}
+    assert runs["all-resident-reuse"]["tokens"] == runs["all-resident"]["tokens"]
+    assert runs["all-resident-reuse"]["turns"][1]["prompt_tokens_reused"] == 0
+
+
+def test_a_budget_without_room_for_one_conversation_is_refused():
+    from bench import multiturn
+
+    with pytest.raises(SystemExit, match="mode all-resident-reuse: the GPU KV budget of 5 "
+                                         "blocks holds no full conversation"):
+        multiturn.main(["--config", "tiny", "--gpu-blocks", "5"])

@@ -237,3 +237,24 @@ def test_a_device_reset_forgets_the_kept_rows(reference, monkeypatch):
 def test_seat_reuse_config_is_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(all_resident=True, enable_prefix_caching=True, **kwargs)
+
+
+def test_warmup_compiles_what_seat_reuse_reaches(reference):
+    # One-shot prefill: a reused seat's rest of the prompt runs as a chunk ("prefill_chunk");
+    # no served step compiles after warmup.
+    from hisparse_jax.engine.metrics import CompileWatch
+
+    engine = _reuse_engine()
+    try:
+        engine.warmup()
+        assert {"prefill", "prefill_chunk"} <= set(engine.runner.warmed)
+        CompileWatch.start()
+        compiles = CompileWatch.count
+        first = _tokens(60, 17)
+        outs, _ = _run_turn(engine, {0: first})
+        outs, reused = _run_turn(engine, {0: first + list(outs[0].generated) + _tokens(61, 4)})
+        assert reused > 0
+        assert CompileWatch.count == compiles, "a served step compiled"
+        assert (outs[0].finish_reason, outs[0].generated) == reference(outs[0])
+    finally:
+        engine.close()

@@ -78,6 +78,7 @@ def meshes(out_path, specs):
             "tokens": {i: t for i, (t, _) in got.items()},
             "attention_max_abs_diff": max(float(abs(a - ref[i][1]).max())
                                           for i, (_, a) in got.items()),
+            "attention_values_compared": sum(int(a.size) for _, a in got.values()),
             "shards": [len(sh.scheduler.finished) for sh in engine.shards],
             "traces": dict(engine.trace_counts), **figures(engine), **warm}
         if "recover" in flags:

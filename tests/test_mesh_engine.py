@@ -59,7 +59,10 @@ def test_every_mesh_decodes_the_single_device_tokens(meshes):
     for spec, run in meshes["meshes"].items():
         assert run["tokens"] == ref, spec
         assert run["finish_reasons"] == {"length": 6}, spec
-        assert 0 < run["attention_max_abs_diff"] < ATTENTION_TOLERANCE, spec
+        # Often a few ulps apart (other batch shapes or splits round differently), but a
+        # data-parallel mesh may round exactly as the single device does (seen: 4x1, 0.0).
+        assert run["attention_values_compared"] > 0, spec
+        assert 0 <= run["attention_max_abs_diff"] < ATTENTION_TOLERANCE, spec
         # One jitted step per variant for the whole mesh.
         assert set(run["traces"].values()) == {1}, spec
 

@@ -272,3 +272,34 @@ def test_gpu_multiturn_staging_decodes_what_no_reuse_decodes(tmp_path, gpu_block
         assert turn["prompt_tokens_computed"] <= 4 * (1024 + 32 + 64), turn
     if gpu_blocks:
         assert reuse["staged_bytes_h2d"] > 0
+
+
+def test_staged_hits_are_admitted_for_the_blocks_they_take():
+    # A staged hit takes device blocks for the rest of its prompt and a hot region, not for
+    # its host-only hit pages: two second turns (27 pages, 25 of them hit) on 49 usable
+    # blocks are admitted in one step. Counting every prompt page (27 + the 8-block
+    # watermark) the second one waited for the first to unpin.
+    sizes = dict(max_seats=2, max_model_len=128, block_size=B, prefill_bucket=128)
+    engine = Engine(tiny_model(), EngineConfig(
+        enable_prefix_caching=True, prefix_hit_pages="stage", prefill_chunk_size=16,
+        num_gpu_blocks=50, num_host_blocks=200, **sizes))
+    reference = AllResidentReference(tiny_model(), **sizes)
+    try:
+        firsts = [_tokens(1, 100), _tokens(2, 100)]
+        ids = [engine.add_request(p, max_new_tokens=4) for p in firsts]
+        out = engine.run()
+        seconds = [p + list(out[rid].generated) + _tokens(3 + i, 3)
+                   for i, (p, rid) in enumerate(zip(firsts, ids, strict=True))]
+        waits, hits = engine.metrics.waits, engine.metrics.prefix_hit_tokens
+        ids = [engine.add_request(p, max_new_tokens=4) for p in seconds]
+        engine.step()
+        assert {r.request_id for r in engine.running.values()} == set(ids)
+        assert engine.metrics.waits == waits
+        done = engine.run()
+        assert engine.metrics.prefix_hit_tokens - hits == 2 * 100  # 25 whole pages each
+        assert engine.metrics.staged_rows_host + engine.metrics.staged_rows_device > 0
+        for rid in ids:
+            _assert_same(done[rid], reference)
+    finally:
+        engine.close()
+        reference.close()

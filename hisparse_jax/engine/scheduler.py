@@ -125,6 +125,9 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         # The manager serves prefix hits (a Coordinator with prefix caching on).
         self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
+        # Prefix hits read host pages by staging (no resident block per hit page).
+        self.stages_hits = self.prefix_caching and not getattr(manager, "resident_prefix_hits",
+                                                                True)
         self.max_prefill_tokens = max_prefill_tokens
         self._budget: int | None = None  # prompt tokens the open pass may still prefill
         self.newly_finished: list[Request] = []  # since the engine last took them
@@ -286,6 +289,10 @@ class Scheduler:
             # running request that crosses the watermark can get its hot region (and start
             # unpinning) instead of stalling until someone is preempted.
             need = cdiv(len(req.prompt), self.cfg.block_size)
+            if self.stages_hits and cached >= self.cfg.block_size:
+                # A staged hit's whole pages stay host-only: it takes blocks for the rest of
+                # its prompt and a hot region at admission.
+                need += hot_blocks - cached // self.cfg.block_size
             if (self.running or admitted) and manager.device_pool.num_free - need < hot_blocks:
                 self.metrics.waits += 1
                 # Running requests move to hot regions and unpin pages until it fits.

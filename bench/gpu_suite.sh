@@ -88,13 +88,11 @@ run_step() {  # name, time limit in s, command...
         run_step profile_hisparse_64 150 python3 -m bench.profile_step --mode hisparse --concurrency 64 --budget-concurrency 256 ;;
       # Three separate HiSparse / all-resident pairs at 1 request (the >= 1.0x target holds
       # in each run or not: min and median over the three).
-      e2e_repeat1)
+      e2e_repeat1|e2e_repeat1_async)
+        sched=() tag=""
+        [ "$step" = e2e_repeat1_async ] && sched=(--async-scheduling) tag="async-"
         for i in 1 2 3; do
-          run_step "e2e_repeat1_$i" 150 python3 -m bench.e2e_decode --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-$i-gpu.json"
-        done ;;
-      e2e_repeat1_async)
-        for i in 1 2 3; do
-          run_step "e2e_repeat1_async_$i" 150 python3 -m bench.e2e_decode --async-scheduling --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-async-$i-gpu.json"
+          run_step "${step}_$i" 150 python3 -m bench.e2e_decode ${sched[@]+"${sched[@]}"} --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-$tag$i-gpu.json"
         done ;;
       # The model's own indexer selecting over 64K synthetic index keys (not the drift model).
       e2e_indexer) run_step e2e_indexer 300 python3 -m bench.e2e_decode --indexer --concurrency 1,256 --modes hisparse,all-resident --no-plot --output bench/results/e2e_decode-indexer-gpu.json ;;

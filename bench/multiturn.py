@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"mode {mode}: {e}") from None
     import jax
 
+    budget, resident_seats = gpu_budget(args)
     cfg = nn.get_config(args.config)
     model = nn.init_model(cfg, seed=0)
     out_json = (Path(args.output) if args.output
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
               "prefill_chunk_size": args.prefill_chunk_size,
               "prefix_hit_pages": args.prefix_hit_pages,
               "max_model_len": max_model_len(args),
-              "gpu_blocks": gpu_budget(args)[0], "all_resident_seats": gpu_budget(args)[1],
+              "gpu_blocks": budget, "all_resident_seats": resident_seats,
               "prefill": "real (the model over every computed prompt token, chunked)",
               "sampling": "greedy"}
     results: list[dict[str, Any]] = []

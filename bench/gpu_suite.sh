@@ -19,7 +19,8 @@
 #        reuse with real chunked prefill: bench/multiturn.py), multiturn_scale (the same past
 #        64K tokens, 8 conversations, against all-resident with seat reuse), profile_compare
 #        (the async profile at 256 for .baseline/ and for this tree), e2e_repeat1_async (the
-#        three pairs at 1 request with asynchronous scheduling)
+#        three pairs at 1 request with asynchronous scheduling), ncu (Nsight Compute profiles
+#        of the attention, resolve and gather kernels: bench/ncu_kernels.py)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-OUT=${OUT:-/tmp/hisparse-gpu-out}
+export OUT=${OUT:-/tmp/hisparse-gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(env tests decode ops)
@@ -128,6 +129,37 @@ run_step() {  # name, time limit in s, command...
       decode_spec) run_step decode_spec 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --gpu-blocks 500 --prefill-bucket 4096 --speculative-tokens 2 --check ;;
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;
       engine_gpu) run_step engine_gpu 420 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
+      # Nsight Compute profiles of single kernel launches (bench/ncu_kernels.py): attention at
+      # N=64 with h_q 128 and 16, at N=256 h_q 128 and N=1, resolve at N=64 and 256, the host
+      # gather at the rows of a 256-request e2e step (NCU_CASES picks; gather-step, gather-16g
+      # and gather-step-16g are extra). Text reports to bench/results/ncu-*-gpu.txt.
+      ncu) run_step ncu "${NCU_LIMIT:-420}" bash -c '
+        sections=${NCU_SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis"}
+        one() {  # name, kernel regex, args...
+          local name=$1 regex=$2; shift 2
+          echo "--- ncu $name"
+          ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 $sections -f -o "/tmp/ncu-$name" python3 -m bench.ncu_kernels "$@" > "/tmp/ncu-$name.log" 2>&1
+          echo "ncu exit $?"; tail -3 "/tmp/ncu-$name.log"
+          ncu --import "/tmp/ncu-$name.ncu-rep" --page details --print-details all > "bench/results/ncu-$name-gpu.txt" 2>&1
+        }
+        for case in ${NCU_CASES:-attn-n64-h128 attn-n64-h16 attn-n256-h128 resolve-n64 resolve-n256 gather}; do
+          case $case in
+            attn-n64-h128) one $case sparse_mla attention --n 64 --h 128 ;;
+            attn-n64-h16) one $case sparse_mla attention --n 64 --h 16 ;;
+            attn-n256-h128) one $case sparse_mla attention --n 256 --h 128 ;;
+            attn-n1-h128) one $case sparse_mla attention --n 1 --h 128 ;;
+            resolve-n64) one $case resolve resolve --n 64 ;;
+            resolve-n256) one $case resolve resolve --n 256 ;;
+            gather) one gather-27648 hisparse_gather gather --rows 27648 ;;
+            # The same rows as the plan of an engine step (256 x 2048 entries, 108 misses each),
+            # and both from a 16 GiB pool (the pool of an e2e run at 256 requests is ~19 GB).
+            gather-step) one gather-27648-step hisparse_gather gather --rows 27648 --plan step ;;
+            gather-16g) one gather-27648-16g hisparse_gather gather --rows 27648 --pool-gib 16 ;;
+            gather-step-16g) one gather-27648-step-16g hisparse_gather gather --rows 27648 --plan step --pool-gib 16 ;;
+          esac
+        done
+        for v in ${NCU_ATTN_VARIANTS:-}; do one "attn-n64-h128-$v" sparse_mla attention --n 64 --h 128 --tuning "$v"; done
+      ' ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
       resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows)

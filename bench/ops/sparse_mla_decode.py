@@ -66,10 +66,12 @@ PHASE1_SHAPES = ((64, 128), (64, 16))
 BUDGET_S = min(210.0, float(os.environ.get("HISPARSE_BENCH_LIMIT_S", "1e9")) - 25.0)
 ROW_BYTES = {"bf16": WIDTH * 2, kvf.FP8_DS_MLA: kvf.FP8_ROW_BYTES}
 
-# The Triton kernel's variants the GPU tests and the benchmark compare (the default,
-# `AttentionTuning()`, is bk32_s3). prefetch_ids is on in all of these; 16 warps at 64
-# heads halve the fp32 accumulator's registers per thread.
+# The Triton kernel's variants the GPU tests and the benchmark compare (the default for bf16
+# rows, `triton.DEFAULT`, is bk64_s2_noprefetch: Triton pipelines the indirect load itself;
+# the others carry each step's row ids from the step before); 16 warps at 64 heads halve
+# the fp32 accumulator's registers per thread.
 ATTENTION_VARIANTS: dict[str, AttentionTuning] = {
+    "bk64_s2_noprefetch": AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False),
     "bk64_s2": AttentionTuning(block_k=64, num_stages=2),
     "bk32_s3": AttentionTuning(block_k=32, num_stages=3),
     "bk64_s2_w16": AttentionTuning(block_k=64, num_stages=2, num_warps=16),
@@ -77,16 +79,24 @@ ATTENTION_VARIANTS: dict[str, AttentionTuning] = {
 # Benchmark-only candidates that may not build at every shape: bk64 x 3 stages (2 x 72 KiB
 # of K tiles + Q 72 KiB at 64 heads) may exceed the 227 KiB of shared memory; at 16 heads
 # it fits. The benchmark records a build failure and goes on; the GPU tests skip these.
-# bk64_s2_noprefetch is the kernel without the id prefetch, its baseline.
 ATTENTION_SWEEP_EXTRA: dict[str, AttentionTuning] = {
     "bk64_s3": AttentionTuning(block_k=64, num_stages=3),
-    "bk64_s2_noprefetch": AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False),
+    # Issue 14's sweep: Triton's own pipelining of the indirect load (no id carry) at more
+    # stages; deeper stages with the carry; the K tile gathered a step ahead in registers
+    # (`prefetch_tiles`, Triton's pipeliner off); one K split (one wave at N=64, h_q=128).
+    "bk32_s3_noprefetch": AttentionTuning(block_k=32, num_stages=3, prefetch_ids=False),
+    "bk32_s4_noprefetch": AttentionTuning(block_k=32, num_stages=4, prefetch_ids=False),
+    "bk32_s4": AttentionTuning(block_k=32, num_stages=4),
+    "bk16_s4": AttentionTuning(block_k=16, num_stages=4),
+    "bk32_regs": AttentionTuning(block_k=32, num_stages=1, prefetch_tiles=True),
+    "bk16_regs": AttentionTuning(block_k=16, num_stages=1, prefetch_tiles=True),
+    "bk32_s3_split1": AttentionTuning(block_k=32, num_stages=3, num_splits=1),
 }
 
 
 # The Triton kernel's fp8_ds_mla variants the GPU tests and the benchmark compare (the
-# default, `AttentionTuning()`, is bk32_s3): the byte words taken apart by reductions
-# ("contiguous", the default) or by splits (`AttentionTuning.fp8_words="split"`), and the
+# default below 64 heads, `triton.DEFAULT_FP8`, is bk32_s3): the byte words taken apart by
+# reductions ("contiguous", the default) or by splits (`AttentionTuning.fp8_words="split"`), and the
 # scales applied to the scores and P ("scores", the default) or folded into the bf16 tile
 # (`AttentionTuning.fp8_scale`: "tiles" = 4 group tiles, "tile512" = one 512-wide tile).
 FP8_ATTENTION_VARIANTS: dict[str, AttentionTuning] = {

@@ -66,6 +66,10 @@ class AttentionTuning:
     num_splits: K splits per (row, head block); None = about two waves of programs.
     prefetch_ids: load each step's row ids one step ahead (loop carry), so the K-tile gather's
       addresses are ready at the top of the step and Triton's pipeliner can issue it ahead.
+    prefetch_tiles: software pipelining by hand, in registers: step i issues the gather of
+      step i + 1's K tile (and the load of step i + 2's ids) before its own dots, and carries
+      the tile to the next step; meant with num_stages=1 (Triton's pipeliner off). Implies
+      the id prefetch. Same arithmetic in the same order as without.
     fp8_words: how "fp8_ds_mla" rows' scale (float32) and rope (bf16) words are assembled from
       their bytes (`_load_words`): "contiguous" (one 16-byte-aligned load per row, reshaped
       to [block_k, words, bytes] and combined with a sum), "strided" (one strided load per
@@ -80,7 +84,8 @@ class AttentionTuning:
       4 score dots summed unscaled, 4 value dots sharing one bf16 P) or "tile512" (the same
       as one [block_k, 512] tile: one score dot of K = 512 and one value dot of N = 512).
       "tiles" and "tile512" round the dequantized values to bf16, as bf16 rows are.
-    The defaults are the sweep's choice (`bench/NOTES-sparse_mla.md`).
+    The field defaults are the fp8 sweep's choice below 64 heads; the kernel's default for
+    bf16 rows is `DEFAULT` (`bench/NOTES-sparse_mla.md`).
     """
 
     block_h: int | None = None
@@ -89,6 +94,7 @@ class AttentionTuning:
     num_stages: int = 3
     num_splits: int | None = None
     prefetch_ids: bool = True
+    prefetch_tiles: bool = False
     fp8_words: str = "contiguous"
     fp8_scale: str = "scores"
 
@@ -116,7 +122,12 @@ class AttentionTuning:
                              f"got {self.fp8_scale!r}")
 
 
-DEFAULT = AttentionTuning()
+# bf16 rows: 64-row K tiles, 2 stages, Triton's own pipelining of the indirect load (no id
+# carry): the fastest candidate at h_q = 128 and 16 in both sweeps of 2026-12-02
+# (`bench/NOTES-sparse_mla.md`). fp8_ds_mla rows below 64 heads per program keep
+# `AttentionTuning()` (32-row tiles, 3 stages, id carry), their sweep's choice.
+DEFAULT = AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False)
+DEFAULT_FP8 = AttentionTuning()
 # fp8_ds_mla rows with 64 heads or more per program: scales folded into the tiles and the
 # words split from byte pairs (the fastest fp8 candidate of bench/ops/sparse_mla_decode.py at
 # h_q = 128; at h_q = 16 the default measured faster).
@@ -329,7 +340,7 @@ def _value_pieces(v_width: int, kv_format: str,
 
 
 def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, block_k, steps,
-                      q_pieces, v_pieces, read, scale2, prefetch_ids):
+                      q_pieces, v_pieces, read, scale2, prefetch_ids, prefetch_tiles=False):
     """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, row]
     (row = D values, or 656 bytes), rows_ref [T, Kp] (Kp = splits * steps * block_k, -1
     padded); `read` is `_read_float_rows` or `_read_fp8_rows` with its knobs bound, q_pieces
@@ -345,19 +356,28 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
         k0 = (s * steps + i) * block_k
         return plgpu.load(rows_ref.at[t, k0 + jnp.arange(block_k, dtype=jnp.int32)])
 
+    def gather(ids):
+        valid = ids >= 0
+        return valid, read(kv_ref, jnp.where(valid, ids, 0)[:, None], valid)
+
     def step(i, carry):
-        if prefetch_ids:
+        if prefetch_tiles:
+            # Step i's tile was gathered during step i - 1 (loop carry); the gather of step
+            # i + 1's tile and the load of step i + 2's ids are issued before this step's
+            # dots, so their latency overlaps them (the last steps reload, harmlessly).
+            accs, m_i, l_i, (valid, tiles), ids_next = carry
+            carry_next = (gather(ids_next), load_ids(jnp.minimum(i + 2, steps - 1)))
+        elif prefetch_ids:
             # The ids of step i came with step i - 1 (loop carry): the K-tile gather's
             # addresses are ready at the top of the step, and the load of the next step's ids
             # is issued before it (the last step reloads its own ids, harmlessly).
             accs, m_i, l_i, ids = carry
             ids_next = load_ids(jnp.minimum(i + 1, steps - 1))
+            valid, tiles = gather(ids)
         else:
             accs, m_i, l_i = carry
-            ids = load_ids(i)
-        valid = ids >= 0
-        safe = jnp.where(valid, ids, 0)[:, None]
-        keys, key_scales, values = read(kv_ref, safe, valid)
+            valid, tiles = gather(load_ids(i))
+        keys, key_scales, values = tiles
         scores = None
         for qp, kp, ks in zip(qs, keys, key_scales, strict=True):
             part = lax.dot_general(qp, kp, dims, preferred_element_type=jnp.float32)
@@ -383,6 +403,8 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
                 p_for(tile, vs), tile, (((1,), (0,)), ((), ())),
                 preferred_element_type=jnp.float32)
             for acc, (tile, vs) in zip(accs, values, strict=True))
+        if prefetch_tiles:
+            return (accs, m_new, l_i, *carry_next)
         if prefetch_ids:
             return accs, m_new, l_i, ids_next
         return accs, m_new, l_i
@@ -390,7 +412,9 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, blo
     carry = (tuple(jnp.zeros((block_h, size), jnp.float32) for _, size in v_pieces),
              jnp.full((block_h,), M_INIT, jnp.float32),
              jnp.zeros((block_h,), jnp.float32))
-    if prefetch_ids:
+    if prefetch_tiles:
+        carry = (*carry, gather(load_ids(0)), load_ids(jnp.minimum(1, steps - 1)))
+    elif prefetch_ids:
         carry = (*carry, load_ids(0))
     accs, m_i, l_i = lax.fori_loop(0, steps, step, carry)[:3]
     # l_i is 0 exactly when the split has no valid entry (then acc = 0: out 0, lse -inf); a
@@ -446,8 +470,12 @@ def sparse_mla_decode(
     Raises ValueError with `supports`' reason for inputs it cannot run.
     """
     num_rows, h_q, width = q.shape
-    cfg = tuning or (DEFAULT_FP8_WIDE if kv_format == kvf.FP8_DS_MLA and h_q >= 64
-                     else DEFAULT)
+    if tuning is not None:
+        cfg = tuning
+    elif kv_format == kvf.FP8_DS_MLA:
+        cfg = DEFAULT_FP8_WIDE if h_q >= 64 else DEFAULT_FP8
+    else:
+        cfg = DEFAULT
     top_k = attention_rows.shape[1]
     reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format)
     if reason is not None:
@@ -471,7 +499,8 @@ def sparse_mla_decode(
                                q_pieces=_q_pieces(width, v_width, kv_format, fp8_scale),
                                v_pieces=_value_pieces(v_width, kv_format, fp8_scale),
                                read=read,
-                               scale2=float(sm_scale) * LOG2E, prefetch_ids=cfg.prefetch_ids)
+                               scale2=float(sm_scale) * LOG2E, prefetch_ids=cfg.prefetch_ids,
+                               prefetch_tiles=cfg.prefetch_tiles)
 
     def call(q_pad, kv_rows, rows):
         return tuple(pl.pallas_call(

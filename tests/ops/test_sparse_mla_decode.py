@@ -349,6 +349,9 @@ KERNEL_CASES = {
         (2, 16, 128, {}),                                                  # padded heads
         (1, 80, 150, {"num_splits": 2, "block_k": 16}),                    # 2 head blocks, splits
         (2, 16, 100, {"block_k": 16, "prefetch_ids": False, "num_stages": 3}),  # no id prefetch
+        (2, 16, 100, {"block_k": 16, "prefetch_tiles": True, "num_stages": 1}),  # tiles ahead
+        (1, 80, 150, {"num_splits": 2, "block_k": 16, "prefetch_tiles": True}),  # ... + splits
+        (1, 16, 16, {"block_k": 16, "prefetch_tiles": True}),              # one step only
     ],
     "mosaic_gpu": [
         (2, 16, 128, {}),                                                  # padded heads

@@ -1,0 +1,140 @@
+"""One kernel launch at a given shape, for Nsight Compute (`ncu`) to profile.
+
+  ncu --clock-control none --kernel-name regex:hisparse --launch-skip 2 --launch-count 1 \\
+      python3 -m bench.ncu_kernels attention --n 64 --h 128 [--tuning bk32_s3]
+  ... python3 -m bench.ncu_kernels resolve --n 64
+  ... python3 -m bench.ncu_kernels gather --rows 27648 [--plan step] [--pool-gib 16]
+
+Runs the op three times on the same inputs (compile, warm, then the launch the profiler is
+told to take with --launch-skip 2), blocks after each, prints the wall time of the last. The
+inputs are the op benchmarks' (`bench/ops/*`): attention over a 604 MB pool of random bf16
+rows with 2% holes, resolve over 3 chained decode steps of drifting top-k (the profiled
+launch is the third, on a warm LRU), gather of random rows of a pinned_host pool, as one
+dense plan or as an engine step's (256 batch rows with a few misses each: the kernel's grid
+has one program per 16 entries of every row, most with nothing to copy), from the
+benchmark's 604 MB pool or a larger one (`--pool-gib`). HISPARSE_BENCH_SMALL=1: the
+benchmarks' small CPU shapes, kernels interpreted. The suite step `ncu`
+(`bench/gpu_suite.sh`) runs it under ncu per shape; what the profiles said is in
+`bench/NOTES-sparse_mla.md` and `bench/NOTES-data_plane.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hisparse_jax as hj
+
+
+def _attention(args) -> list:
+    from bench.ops import sparse_mla_decode as bench
+
+    tuning = None
+    if args.tuning:
+        tuning = {**bench.ATTENTION_VARIANTS, **bench.ATTENTION_SWEEP_EXTRA}[args.tuning]
+    kv = jax.random.normal(jax.random.key(1), (bench.POOL_ROWS, bench.WIDTH), jnp.bfloat16)
+    q, rows = bench._inputs(jax.random.key(2), args.n, args.h, 1)
+    fn = jax.jit(lambda q, kv, rows: hj.sparse_mla_decode(
+        q, kv, rows, sm_scale=bench.SM_SCALE, backend="triton", config=tuning))
+    return [lambda: fn(q[0], kv, rows[0])] * 3
+
+
+def _resolve(args) -> list:
+    from bench.ops import BLOCK
+    from bench.ops import resolve_residency as bench
+    from pallas_kernels.resolve_residency.triton import DEFAULT
+
+    tuning = bench.RESOLVE_VARIANTS[args.tuning] if args.tuning else DEFAULT
+    k, hot = 2048, 4096
+    topks, src_table, hot_table, res_table, host_rows = bench._inputs(
+        args.n, k, hot, np.random.default_rng(0), 3)
+    tables = (jnp.arange(args.n, dtype=jnp.int32), hot_table, src_table, res_table)
+    state = hj.init_hot_state(hj.HiSparseConfig(top_k=k, hot_size=hot, block_size=BLOCK,
+                                                max_num_reqs=args.n))
+    step = jax.jit(bench._step(tuning, tables, host_rows))
+    carry = [state.slot_rows, state.lru]
+
+    def call(i):
+        def run():
+            outs = step(carry[0], carry[1], topks[i])
+            carry[:] = [outs[6], outs[7]]
+            return outs
+        return run
+    return [call(i) for i in range(3)]
+
+
+def _gather(args) -> list:
+    from bench.ops import BLOCK, SMALL, WIDTH, rand_bf16, sharding
+
+    rng = np.random.default_rng(0)
+    if args.pool_gib > 0:            # zeros made on the device, moved to pinned host
+        host_blocks = max(1, int(args.pool_gib * 2**30) // (BLOCK * WIDTH * 2))
+        pool = jax.device_put(jnp.zeros((host_blocks, BLOCK, WIDTH), jnp.bfloat16),
+                              sharding("pinned_host"))
+    else:
+        host_blocks = 64 if SMALL else 1 << 13                  # 604 MB of pinned rows
+        pool = jax.device_put(rand_bf16(rng, (host_blocks, BLOCK, WIDTH)),
+                              sharding("pinned_host"))
+    host_rows = host_blocks * BLOCK
+    if args.rows > host_rows:
+        raise SystemExit(f"--rows must be at most the pool's {host_rows} rows, "
+                         f"got {args.rows}")
+    if args.plan == "dense":         # rows // 2048 batch rows of 2048 misses each
+        n = max(1, args.rows // 2048)
+        k = args.rows // n
+        per_row = k
+    else:                            # an engine step's plan: 256 rows of K = 2048, few misses
+        n, k = 256, 2048
+        per_row = min(k, max(1, args.rows // n))
+    src = np.full((n, k), -1, np.int32)
+    src[:, :per_row] = rng.choice(host_rows, size=(n, per_row), replace=False)
+    num_blocks = max(2 * n * per_row // BLOCK, 64)
+    dst = np.full((n, k), -1, np.int32)
+    dst[:, :per_row] = rng.permutation(num_blocks * BLOCK)[: n * per_row].reshape(n, per_row)
+    src, dst = jnp.asarray(src), jnp.asarray(dst)
+    counts = jnp.full((n,), per_row, jnp.int32)
+    holder = [jax.device_put(jnp.zeros((num_blocks, BLOCK, WIDTH), jnp.bfloat16),
+                             sharding("device"))]
+
+    def run():
+        holder[0] = hj.gather_compact(pool, holder[0], src, dst, counts, backend="triton")
+        return holder[0]
+    return [run] * 3
+
+
+OPS = {"attention": _attention, "resolve": _resolve, "gather": _gather}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("op", choices=sorted(OPS))
+    p.add_argument("--n", type=int, default=64, help="query rows (attention, resolve)")
+    p.add_argument("--h", type=int, default=128, help="query heads (attention)")
+    p.add_argument("--rows", type=int, default=27648, help="rows copied (gather)")
+    p.add_argument("--plan", choices=("dense", "step"), default="dense",
+                   help="gather: `dense` (rows // 2048 batch rows, every entry a miss) or "
+                        "`step` (an engine step's plan: 256 batch rows of K = 2048 entries, "
+                        "rows // 256 misses each)")
+    p.add_argument("--pool-gib", type=float, default=0.0,
+                   help="gather: host pool size in GiB (zeros); 0 = the benchmark's 604 MB "
+                        "of random rows")
+    p.add_argument("--tuning", default="", help="a variant name of the op's benchmark sweep")
+    args = p.parse_args(argv)
+    if args.n < 1 or args.h < 1 or args.rows < 1:
+        p.error("--n, --h and --rows must be >= 1")
+    if args.pool_gib < 0:
+        p.error(f"--pool-gib must be >= 0, got {args.pool_gib}")
+    t = 0.0
+    for call in OPS[args.op](args):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        t = time.perf_counter() - t0
+    print(f"{args.op}: last call {t * 1e6:.1f} us wall", flush=True)
+
+
+if __name__ == "__main__":
+    main()

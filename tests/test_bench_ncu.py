@@ -1,0 +1,40 @@
+"""bench/ncu_kernels.py (the launches the suite's `ncu` step profiles) on the benchmarks' small
+CPU shapes, kernels interpreted: each op runs its three calls; bad sizes are refused by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HISPARSE_BENCH_SMALL="1", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "bench.ncu_kernels", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.parametrize("args", [("attention", "--n", "2", "--h", "16"),
+                                  ("attention", "--n", "1", "--h", "16", "--tuning",
+                                   "bk32_s3"),
+                                  ("resolve", "--n", "2"),
+                                  ("gather", "--rows", "256"),
+                                  ("gather", "--rows", "512", "--plan", "step",
+                                   "--pool-gib", "0.01")])
+def test_each_op_runs_its_three_calls(args):
+    proc = _run(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{args[0]}: last call" in proc.stdout
+
+
+@pytest.mark.parametrize("args, says", [(("attention", "--n", "0"), "--n"),
+                                        (("gather", "--rows", "100000"), "--rows"),
+                                        (("gather", "--pool-gib", "-1"), "--pool-gib")])
+def test_bad_sizes_are_refused_by_name(args, says):
+    proc = _run(*args)
+    assert proc.returncode != 0
+    assert says in proc.stderr

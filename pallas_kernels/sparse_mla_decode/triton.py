@@ -123,8 +123,8 @@ class AttentionTuning:
 
 
 # bf16 rows: 64-row K tiles, 2 stages, Triton's own pipelining of the indirect load (no id
-# carry): the fastest candidate at h_q = 128 and 16 in both sweeps of 2026-12-02
-# (`bench/NOTES-sparse_mla.md`). fp8_ds_mla rows below 64 heads per program keep
+# carry): in both sweeps of 2026-12-02 the fastest at h_q = 16 and the fastest or tied at
+# h_q = 128 (`bench/NOTES-sparse_mla.md`). fp8_ds_mla rows with h_q < 64 keep
 # `AttentionTuning()` (32-row tiles, 3 stages, id carry), their sweep's choice.
 DEFAULT = AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False)
 DEFAULT_FP8 = AttentionTuning()

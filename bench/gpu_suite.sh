@@ -131,8 +131,8 @@ run_step() {  # name, time limit in s, command...
       engine_gpu) run_step engine_gpu 420 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       # Nsight Compute profiles of single kernel launches (bench/ncu_kernels.py): attention at
       # N=64 with h_q 128 and 16, at N=256 h_q 128 and N=1, resolve at N=64 and 256, the host
-      # gather at the rows of a 256-request e2e step (NCU_CASES picks; gather-step, gather-16g
-      # and gather-step-16g are extra). Text reports to bench/results/ncu-*-gpu.txt.
+      # gather at the rows of a 256-request e2e step (NCU_CASES picks; gather-step, gather-16g,
+      # gather-step-16g and their -compact forms are extra). Reports: bench/results/ncu-*-gpu.txt.
       ncu) run_step ncu "${NCU_LIMIT:-420}" bash -c '
         sections=${NCU_SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis"}
         one() {  # name, kernel regex, args...
@@ -156,6 +156,9 @@ run_step() {  # name, time limit in s, command...
             gather-step) one gather-27648-step hisparse_gather gather --rows 27648 --plan step ;;
             gather-16g) one gather-27648-16g hisparse_gather gather --rows 27648 --pool-gib 16 ;;
             gather-step-16g) one gather-27648-step-16g hisparse_gather gather --rows 27648 --plan step --pool-gib 16 ;;
+            # The plan of a step again, through the compact grid (CopyTuning.compact_grid).
+            gather-step-compact) one gather-27648-step-compact hisparse_gather gather --rows 27648 --plan step --compact-grid ;;
+            gather-step-16g-compact) one gather-27648-step-16g-compact hisparse_gather gather --rows 27648 --plan step --pool-gib 16 --compact-grid ;;
           esac
         done
         for v in ${NCU_ATTN_VARIANTS:-}; do one "attn-n64-h128-$v" sparse_mla attention --n 64 --h 128 --tuning "$v"; done

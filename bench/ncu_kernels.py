@@ -21,6 +21,7 @@ benchmarks' small CPU shapes, kernels interpreted. The suite step `ncu`
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -100,8 +101,16 @@ def _gather(args) -> list:
     holder = [jax.device_put(jnp.zeros((num_blocks, BLOCK, WIDTH), jnp.bfloat16),
                              sharding("device"))]
 
+    from pallas_kernels._triton import CopyTuning
+    from pallas_kernels.gather_compact import triton as kernel
+
+    tuning = CopyTuning(compact_grid=args.compact_grid)
+    copy = jax.jit(functools.partial(kernel.gather_compact, tuning=tuning,
+                                     interpret=jax.default_backend() != "gpu"),
+                   donate_argnums=(1,))
+
     def run():
-        holder[0] = hj.gather_compact(pool, holder[0], src, dst, counts, backend="triton")
+        holder[0] = copy(pool, holder[0], src, dst, counts)
         return holder[0]
     return [run] * 3
 
@@ -122,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pool-gib", type=float, default=0.0,
                    help="gather: host pool size in GiB (zeros); 0 = the benchmark's 604 MB "
                         "of random rows")
+    p.add_argument("--compact-grid", action="store_true",
+                   help="gather: the kernel's compact grid (`CopyTuning.compact_grid`)")
     p.add_argument("--tuning", default="", help="a variant name of the op's benchmark sweep")
     args = p.parse_args(argv)
     if args.n < 1 or args.h < 1 or args.rows < 1:

@@ -24,7 +24,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                                   ("resolve", "--n", "2"),
                                   ("gather", "--rows", "256"),
                                   ("gather", "--rows", "512", "--plan", "step",
-                                   "--pool-gib", "0.01")])
+                                   "--pool-gib", "0.01"),
+                                  ("gather", "--rows", "512", "--plan", "step",
+                                   "--compact-grid")])
 def test_each_op_runs_its_three_calls(args):
     proc = _run(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]

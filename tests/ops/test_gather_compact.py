@@ -298,6 +298,39 @@ def test_kernel_odd_width_and_many_programs():
                                   oracle_gather(pool_np, cache_np, src, dst, counts))
 
 
+@settings(max_examples=examples(0.3), deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), layers=st.sampled_from([1, 2]),
+       rows=st.sampled_from([2, 4, 8]))
+def test_kernel_compact_grid_matches_numpy(seed, layers, rows):
+    """The compact grid (programs over the plan's chunks, counted across batch rows) copies
+    what the plan says: rows with no misses, a full row, entries past the counts, sources
+    past the pool and destinations outside the cache, on one layer and on two."""
+    rng = np.random.default_rng(seed)
+    n, k, block, width, num_blocks, host_rows = 5, 24, 2, 64, 80, 90
+    pools = [rng.standard_normal((host_rows, width)).astype(np.float32) for _ in range(layers)]
+    caches = [rng.standard_normal((num_blocks, block, width)).astype(np.float32)
+              for _ in range(layers)]
+    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
+    counts[rng.random(n) < 0.3] = 0
+    counts[rng.integers(n)] = k
+    got = tk.gather_compact_group(
+        [to_host(p) for p in pools], [jnp.asarray(c) for c in caches], jnp.asarray(src),
+        jnp.asarray(dst), jnp.asarray(counts), interpret=INTERPRET,
+        tuning=CopyTuning(rows_per_program=rows, compact_grid=True))
+    for g, pool, cache in zip(got, pools, caches, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), oracle_gather(pool, cache, src, dst, counts))
+
+
+def test_compact_grid_maps_programs_to_chunks_in_row_order():
+    """Program c -> (row, chunk): rows' chunks one after another, empty rows skipped, the
+    programs past the last chunk on row N."""
+    from pallas_kernels.gather_compact.triton import _chunk_maps
+
+    row, chunk = _chunk_maps(jnp.asarray([5, 0, 8, 1], jnp.int32), 8, 4, 8)
+    assert np.asarray(row).tolist() == [0, 0, 2, 2, 3, 4, 4, 4]
+    assert np.asarray(chunk)[:5].tolist() == [0, 1, 0, 1, 0]
+
+
 @pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("pool_shape, cache_shape, dtype", [
     ((1 << 14, 576), (512, 64, 576), jnp.bfloat16),
@@ -312,6 +345,9 @@ def test_kernel_lowers_to_triton(pool_shape, cache_shape, dtype):
     assert "output_operand_aliases" in text
     lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p, p), (c, c), s, d, n),
                    pool, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
+    compact = CopyTuning(compact_grid=True)
+    lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact(p, c, s, d, n, tuning=compact),
+                   pool, cache, sds((64, 2048)), sds((64, 2048)), sds((64,)))
 
 
 # --------------------------------------------------------------------------- GPU, real sizes

@@ -31,12 +31,17 @@ import numpy as np
 import hisparse_jax as hj
 
 
+def _variant(name: str, variants: dict):
+    """The sweep variant `name` ("" = None: the kernel's default); refuses unknown names."""
+    if name and name not in variants:
+        raise SystemExit(f"--tuning must be one of {sorted(variants)} for this op, got {name!r}")
+    return variants[name] if name else None
+
+
 def _attention(args) -> list:
     from bench.ops import sparse_mla_decode as bench
 
-    tuning = None
-    if args.tuning:
-        tuning = {**bench.ATTENTION_VARIANTS, **bench.ATTENTION_SWEEP_EXTRA}[args.tuning]
+    tuning = _variant(args.tuning, {**bench.ATTENTION_VARIANTS, **bench.ATTENTION_SWEEP_EXTRA})
     kv = jax.random.normal(jax.random.key(1), (bench.POOL_ROWS, bench.WIDTH), jnp.bfloat16)
     q, rows = bench._inputs(jax.random.key(2), args.n, args.h, 1)
     fn = jax.jit(lambda q, kv, rows: hj.sparse_mla_decode(
@@ -49,7 +54,7 @@ def _resolve(args) -> list:
     from bench.ops import resolve_residency as bench
     from pallas_kernels.resolve_residency.triton import DEFAULT
 
-    tuning = bench.RESOLVE_VARIANTS[args.tuning] if args.tuning else DEFAULT
+    tuning = _variant(args.tuning, bench.RESOLVE_VARIANTS) or DEFAULT
     k, hot = 2048, 4096
     topks, src_table, hot_table, res_table, host_rows = bench._inputs(
         args.n, k, hot, np.random.default_rng(0), 3)
@@ -70,6 +75,11 @@ def _resolve(args) -> list:
 
 def _gather(args) -> list:
     from bench.ops import BLOCK, SMALL, WIDTH, rand_bf16, sharding
+    from pallas_kernels._triton import CopyTuning
+    from pallas_kernels.gather_compact import triton as kernel
+
+    if args.tuning:
+        raise SystemExit("--tuning is for attention and resolve; gather takes --compact-grid")
 
     rng = np.random.default_rng(0)
     if args.pool_gib > 0:            # zeros made on the device, moved to pinned host
@@ -100,9 +110,6 @@ def _gather(args) -> list:
     counts = jnp.full((n,), per_row, jnp.int32)
     holder = [jax.device_put(jnp.zeros((num_blocks, BLOCK, WIDTH), jnp.bfloat16),
                              sharding("device"))]
-
-    from pallas_kernels._triton import CopyTuning
-    from pallas_kernels.gather_compact import triton as kernel
 
     tuning = CopyTuning(compact_grid=args.compact_grid)
     copy = jax.jit(functools.partial(kernel.gather_compact, tuning=tuning,

@@ -1,5 +1,6 @@
 """bench/ncu_kernels.py (the launches the suite's `ncu` step profiles) on the benchmarks' small
-CPU shapes, kernels interpreted: each op runs its three calls; bad sizes are refused by name."""
+CPU shapes, kernels interpreted: each op runs its three calls; bad arguments are refused by
+name."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def test_each_op_runs_its_three_calls(args):
 
 @pytest.mark.parametrize("args, says", [(("attention", "--n", "0"), "--n"),
                                         (("gather", "--rows", "100000"), "--rows"),
-                                        (("gather", "--pool-gib", "-1"), "--pool-gib")])
-def test_bad_sizes_are_refused_by_name(args, says):
+                                        (("gather", "--pool-gib", "-1"), "--pool-gib"),
+                                        (("attention", "--tuning", "bk7"), "--tuning"),
+                                        (("resolve", "--tuning", "w3"), "--tuning")])
+def test_bad_arguments_are_refused_by_name(args, says):
     proc = _run(*args)
     assert proc.returncode != 0
     assert says in proc.stderr

@@ -75,6 +75,7 @@ def _resolve(args) -> list:
 
 def _gather(args) -> list:
     from bench.ops import BLOCK, SMALL, WIDTH, rand_bf16, sharding
+    from bench.ops.gather_compact import swap_plan
     from pallas_kernels._triton import CopyTuning
     from pallas_kernels.gather_compact import triton as kernel
 
@@ -101,13 +102,7 @@ def _gather(args) -> list:
     else:                            # an engine step's plan: 256 rows of K = 2048, few misses
         n, k = 256, 2048
         per_row = min(k, max(1, args.rows // n))
-    src = np.full((n, k), -1, np.int32)
-    src[:, :per_row] = rng.choice(host_rows, size=(n, per_row), replace=False)
-    num_blocks = max(2 * n * per_row // BLOCK, 64)
-    dst = np.full((n, k), -1, np.int32)
-    dst[:, :per_row] = rng.permutation(num_blocks * BLOCK)[: n * per_row].reshape(n, per_row)
-    src, dst = jnp.asarray(src), jnp.asarray(dst)
-    counts = jnp.full((n,), per_row, jnp.int32)
+    src, dst, counts, num_blocks = swap_plan(rng, n, k, per_row, host_rows, n * per_row)
     holder = [jax.device_put(jnp.zeros((num_blocks, BLOCK, WIDTH), jnp.bfloat16),
                              sharding("device"))]
 

@@ -47,17 +47,26 @@ def _random_rows(rng, shape, dtype):
     return rand_bf16(rng, shape)
 
 
+def swap_plan(rng, n: int, k: int, misses: int, host_rows: int, rows: int):
+    """A swap plan of n batch rows of k entries whose first `misses` entries copy distinct
+    random host rows to distinct device rows (the rest -1), into a cache of
+    max(2 * rows // BLOCK, 64) blocks: (src, dst, counts, num_blocks)."""
+    num_blocks = max(2 * rows // BLOCK, 64)
+    src = np.full((n, k), -1, np.int32)
+    src[:, :misses] = rng.choice(host_rows, size=(n, misses), replace=False)
+    dst = np.full((n, k), -1, np.int32)
+    dst[:, :misses] = rng.permutation(num_blocks * BLOCK)[: n * misses].reshape(n, misses)
+    return (jnp.asarray(src), jnp.asarray(dst), jnp.full((n,), misses, jnp.int32),
+            num_blocks)
+
+
 def bench_gather(run: Run, rows: int, pool, rng) -> dict[str, Any]:
     """`rows` rows of `pool` ([host_blocks, BLOCK, row], bf16 or uint8) into a device cache."""
     row_bytes = pool.shape[-1] * pool.dtype.itemsize
     n = max(1, rows // 2048)
     k = rows // n
     host_rows = pool.shape[0] * pool.shape[1]
-    num_blocks = max(2 * rows // BLOCK, 64)
-    src = jnp.asarray(rng.choice(host_rows, size=(n, k), replace=False).astype(np.int32))
-    dst = jnp.asarray(rng.permutation(num_blocks * BLOCK)[: n * k].reshape(n, k)
-                      .astype(np.int32))
-    counts = jnp.full((n,), k, jnp.int32)
+    src, dst, counts, num_blocks = swap_plan(rng, n, k, k, host_rows, rows)
     out: dict[str, Any] = {"rows": rows, "row_bytes": row_bytes, "pool_rows": host_rows,
                            "dtype": str(pool.dtype)}
     for backend in ("triton", "reference"):

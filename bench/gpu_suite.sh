@@ -132,7 +132,7 @@ run_step() {  # name, time limit in s, command...
       # Nsight Compute profiles of single kernel launches (bench/ncu_kernels.py): attention at
       # N=64 with h_q 128 and 16, at N=256 h_q 128 and N=1, resolve at N=64 and 256, the host
       # gather at the rows of a 256-request e2e step (NCU_CASES picks; gather-step, gather-16g,
-      # gather-step-16g and their -compact forms are extra). Reports: bench/results/ncu-*-gpu.txt.
+      # gather-step-16g are extra). Reports: bench/results/ncu-*-gpu.txt.
       ncu) run_step ncu "${NCU_LIMIT:-420}" bash -c '
         sections=${NCU_SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis"}
         one() {  # name, kernel regex, args...
@@ -156,12 +156,11 @@ run_step() {  # name, time limit in s, command...
             gather-step) one gather-27648-step hisparse_gather gather --rows 27648 --plan step ;;
             gather-16g) one gather-27648-16g hisparse_gather gather --rows 27648 --pool-gib 16 ;;
             gather-step-16g) one gather-27648-step-16g hisparse_gather gather --rows 27648 --plan step --pool-gib 16 ;;
-            # The plan of a step again, through the compact grid (CopyTuning.compact_grid).
-            gather-step-compact) one gather-27648-step-compact hisparse_gather gather --rows 27648 --plan step --compact-grid ;;
-            gather-step-16g-compact) one gather-27648-step-16g-compact hisparse_gather gather --rows 27648 --plan step --pool-gib 16 --compact-grid ;;
           esac
         done
         for v in ${NCU_ATTN_VARIANTS:-}; do one "attn-n64-h128-$v" sparse_mla attention --n 64 --h 128 --tuning "$v"; done
+        # N=1 with other K split counts (the default gives each split >= 4 steps of block_k).
+        for sp in ${NCU_N1_SPLITS:-}; do one "attn-n1-h128-splits$sp" sparse_mla attention --n 1 --h 128 --splits "$sp"; done
       ' ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;

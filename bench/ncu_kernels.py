@@ -1,7 +1,7 @@
 """One kernel launch at a given shape, for Nsight Compute (`ncu`) to profile.
 
   ncu --clock-control none --kernel-name regex:hisparse --launch-skip 2 --launch-count 1 \\
-      python3 -m bench.ncu_kernels attention --n 64 --h 128 [--tuning bk32_s3]
+      python3 -m bench.ncu_kernels attention --n 64 --h 128 [--tuning bk32_s3] [--splits 8]
   ... python3 -m bench.ncu_kernels resolve --n 64
   ... python3 -m bench.ncu_kernels gather --rows 27648 [--plan step] [--pool-gib 16]
 
@@ -21,6 +21,7 @@ benchmarks' small CPU shapes, kernels interpreted. The suite step `ncu`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 
@@ -40,8 +41,11 @@ def _variant(name: str, variants: dict):
 
 def _attention(args) -> list:
     from bench.ops import sparse_mla_decode as bench
+    from pallas_kernels.sparse_mla_decode import triton
 
     tuning = _variant(args.tuning, {**bench.ATTENTION_VARIANTS, **bench.ATTENTION_SWEEP_EXTRA})
+    if args.splits:
+        tuning = dataclasses.replace(tuning or triton.DEFAULT, num_splits=args.splits)
     kv = jax.random.normal(jax.random.key(1), (bench.POOL_ROWS, bench.WIDTH), jnp.bfloat16)
     q, rows = bench._inputs(jax.random.key(2), args.n, args.h, 1)
     fn = jax.jit(lambda q, kv, rows: hj.sparse_mla_decode(
@@ -76,11 +80,9 @@ def _resolve(args) -> list:
 def _gather(args) -> list:
     from bench.ops import BLOCK, SMALL, WIDTH, rand_bf16, sharding
     from bench.ops.gather_compact import swap_plan
-    from pallas_kernels._triton import CopyTuning
-    from pallas_kernels.gather_compact import triton as kernel
 
     if args.tuning:
-        raise SystemExit("--tuning is for attention and resolve; gather takes --compact-grid")
+        raise SystemExit("--tuning is for attention and resolve")
 
     rng = np.random.default_rng(0)
     if args.pool_gib > 0:            # zeros made on the device, moved to pinned host
@@ -106,10 +108,7 @@ def _gather(args) -> list:
     holder = [jax.device_put(jnp.zeros((num_blocks, BLOCK, WIDTH), jnp.bfloat16),
                              sharding("device"))]
 
-    tuning = CopyTuning(compact_grid=args.compact_grid)
-    copy = jax.jit(functools.partial(kernel.gather_compact, tuning=tuning,
-                                     interpret=jax.default_backend() != "gpu"),
-                   donate_argnums=(1,))
+    copy = jax.jit(functools.partial(hj.gather_compact, backend="triton"), donate_argnums=(1,))
 
     def run():
         holder[0] = copy(pool, holder[0], src, dst, counts)
@@ -133,14 +132,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pool-gib", type=float, default=0.0,
                    help="gather: host pool size in GiB (zeros); 0 = the benchmark's 604 MB "
                         "of random rows")
-    p.add_argument("--compact-grid", action="store_true",
-                   help="gather: the kernel's compact grid (`CopyTuning.compact_grid`)")
     p.add_argument("--tuning", default="", help="a variant name of the op's benchmark sweep")
+    p.add_argument("--splits", type=int, default=0,
+                   help="attention: K splits per (row, head block) (`num_splits`; 0 = the "
+                        "tuning's own)")
     args = p.parse_args(argv)
     if args.n < 1 or args.h < 1 or args.rows < 1:
         p.error("--n, --h and --rows must be >= 1")
     if args.pool_gib < 0:
         p.error(f"--pool-gib must be >= 0, got {args.pool_gib}")
+    if args.splits < 0 or (args.splits and args.op != "attention"):
+        p.error(f"--splits is for attention and must be >= 0, got {args.splits}")
     t = 0.0
     for call in OPS[args.op](args):
         t0 = time.perf_counter()

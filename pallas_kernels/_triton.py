@@ -102,18 +102,11 @@ class CopyTuning:
 
     rows_per_program: rows one program moves (a power of two); None picks from the size.
     num_warps: warps per program. max_piece: widest power-of-two column piece per load.
-    compact_grid (`gather_compact` only): program c copies the c-th chunk of the plan's
-      misses, counted over all batch rows (each row's chunk from a prefix sum of swap_counts,
-      computed before the launch), so the programs with something to copy come first and
-      the rest exit together at the end; off: program (n, j) copies chunk j of batch row n,
-      and with few misses per row most programs, interleaved among the others, copy nothing.
-      Not measured on the GPU yet (`bench/NOTES-data_plane.md`, 2026-12-02).
     """
 
     rows_per_program: int | None = None
     num_warps: int = 4
     max_piece: int = 512
-    compact_grid: bool = False
 
 
 def rows_per_program(total_rows: int, tuning: CopyTuning) -> int:

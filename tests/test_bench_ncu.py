@@ -22,12 +22,11 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args", [("attention", "--n", "2", "--h", "16"),
                                   ("attention", "--n", "1", "--h", "16", "--tuning",
                                    "bk32_s3"),
+                                  ("attention", "--n", "1", "--h", "16", "--splits", "2"),
                                   ("resolve", "--n", "2"),
                                   ("gather", "--rows", "256"),
                                   ("gather", "--rows", "512", "--plan", "step",
-                                   "--pool-gib", "0.01"),
-                                  ("gather", "--rows", "512", "--plan", "step",
-                                   "--compact-grid")])
+                                   "--pool-gib", "0.01")])
 def test_each_op_runs_its_three_calls(args):
     proc = _run(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -38,7 +37,9 @@ def test_each_op_runs_its_three_calls(args):
                                         (("gather", "--rows", "100000"), "--rows"),
                                         (("gather", "--pool-gib", "-1"), "--pool-gib"),
                                         (("attention", "--tuning", "bk7"), "--tuning"),
-                                        (("resolve", "--tuning", "w3"), "--tuning")])
+                                        (("resolve", "--tuning", "w3"), "--tuning"),
+                                        (("resolve", "--splits", "2"), "--splits"),
+                                        (("attention", "--splits", "-1"), "--splits")])
 def test_bad_arguments_are_refused_by_name(args, says):
     proc = _run(*args)
     assert proc.returncode != 0

@@ -32,23 +32,15 @@ def supports(*args: Any, **kwargs: Any) -> str | None:
 
 
 def _gather_kernel(src_ref, dst_ref, count_ref, *refs, layers, k, rows, pieces, host_rows,
-                   cache_rows, pool_block, cache_block, batch_rows=0):
+                   cache_rows, pool_block, cache_block):
     """One program: `rows` consecutive misses of batch row n, for one layer (grid axis 0
-    when there are several layers). With `batch_rows` > 0 (the compact grid) the first two
-    refs map the program to its (n, chunk): n = batch_rows past the plan's last chunk."""
-    if batch_rows:
-        chunk_row_ref, chunk_ref, refs = refs[0], refs[1], refs[2:]
+    when there are several layers)."""
     pools, caches = refs[:layers], refs[2 * layers:]
-    layer = pl.program_id(0) if layers > 1 else 0
-    if batch_rows:
-        c = pl.program_id(1 if layers > 1 else 0)
-        n_raw = chunk_row_ref[c]
-        n = jnp.minimum(n_raw, batch_rows - 1)
-        m0 = jnp.where(n_raw < batch_rows, chunk_ref[c] * rows, k)  # k: copies nothing
-    elif layers > 1:
-        n, m0 = pl.program_id(1), pl.program_id(2) * rows
+    if layers > 1:
+        layer, n, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     else:
-        n, m0 = pl.program_id(0), pl.program_id(1) * rows
+        layer, n, j = 0, pl.program_id(0), pl.program_id(1)
+    m0 = j * rows
     count = count_ref[n]
 
     @pl.when(m0 < count)
@@ -99,31 +91,11 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
         cache_rows=tuple(c.shape[0] * c.shape[1] for c in kv_caches),
         pool_block=tuple(_triton.block_of(p.shape) for p in host_pools),
         cache_block=tuple(c.shape[1] for c in kv_caches))
-    chunks = pl.cdiv(k, rows)
-    maps = ()
-    if tuning.compact_grid:
-        kernel = functools.partial(kernel, batch_rows=n)
-        maps = _chunk_maps(swap_counts, k, rows, n * chunks)
-        grid = (n * chunks,) if layers == 1 else (layers, n * chunks)
-    else:
-        grid = (n, chunks) if layers == 1 else (layers, n, chunks)
+    grid = (n, pl.cdiv(k, rows)) if layers == 1 else (layers, n, pl.cdiv(k, rows))
     return _triton.call_in_place(
-        kernel, (swap_src.reshape(-1), swap_dst.reshape(-1), swap_counts, *maps, *host_pools),
+        kernel, (swap_src.reshape(-1), swap_dst.reshape(-1), swap_counts, *host_pools),
         kv_caches, grid=grid, num_warps=tuning.num_warps, interpret=interpret,
         name="hisparse_gather_compact")
-
-
-def _chunk_maps(swap_counts: jax.Array, k: int, rows: int, programs: int
-                ) -> tuple[jax.Array, jax.Array]:
-    """The compact grid's program -> (batch row, chunk of that row): chunk c of the plan's
-    misses, counted row after row, is chunk c - start[n] of row n, where row n holds
-    ceil(min(count, k) / rows) chunks; programs past the last chunk get row N (none)."""
-    chunks = (jnp.clip(swap_counts, 0, k) + rows - 1) // rows
-    ends = jnp.cumsum(chunks)
-    c = jnp.arange(programs, dtype=jnp.int32)
-    row = jnp.searchsorted(ends, c, side="right").astype(jnp.int32)
-    start = (ends - chunks)[jnp.minimum(row, swap_counts.shape[0] - 1)]
-    return row, (c - start).astype(jnp.int32)
 
 
 def gather_compact(host_pool: jax.Array, kv_cache: jax.Array, swap_src: jax.Array,

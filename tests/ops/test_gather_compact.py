@@ -301,10 +301,10 @@ def test_kernel_odd_width_and_many_programs():
 @settings(max_examples=examples(0.3), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), layers=st.sampled_from([1, 2]),
        rows=st.sampled_from([2, 4, 8]))
-def test_kernel_compact_grid_matches_numpy(seed, layers, rows):
-    """The compact grid (programs over the plan's chunks, counted across batch rows) copies
-    what the plan says: rows with no misses, a full row, entries past the counts, sources
-    past the pool and destinations outside the cache, on one layer and on two."""
+def test_kernel_sparse_plan_matches_numpy(seed, layers, rows):
+    """A plan like a decode step's (rows with no misses, a full row, entries past the counts,
+    sources past the pool and destinations outside the cache), on one layer and on two, at
+    several rows per program: the kernel copies what the plan says."""
     rng = np.random.default_rng(seed)
     n, k, block, width, num_blocks, host_rows = 5, 24, 2, 64, 80, 90
     pools = [rng.standard_normal((host_rows, width)).astype(np.float32) for _ in range(layers)]
@@ -316,19 +316,9 @@ def test_kernel_compact_grid_matches_numpy(seed, layers, rows):
     got = tk.gather_compact_group(
         [to_host(p) for p in pools], [jnp.asarray(c) for c in caches], jnp.asarray(src),
         jnp.asarray(dst), jnp.asarray(counts), interpret=INTERPRET,
-        tuning=CopyTuning(rows_per_program=rows, compact_grid=True))
+        tuning=CopyTuning(rows_per_program=rows))
     for g, pool, cache in zip(got, pools, caches, strict=True):
         np.testing.assert_array_equal(np.asarray(g), oracle_gather(pool, cache, src, dst, counts))
-
-
-def test_compact_grid_maps_programs_to_chunks_in_row_order():
-    """Program c -> (row, chunk): rows' chunks one after another, empty rows skipped, the
-    programs past the last chunk on row N."""
-    from pallas_kernels.gather_compact.triton import _chunk_maps
-
-    row, chunk = _chunk_maps(jnp.asarray([5, 0, 8, 1], jnp.int32), 8, 4, 8)
-    assert np.asarray(row).tolist() == [0, 0, 2, 2, 3, 4, 4, 4]
-    assert np.asarray(chunk)[:5].tolist() == [0, 1, 0, 1, 0]
 
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")
@@ -345,9 +335,6 @@ def test_kernel_lowers_to_triton(pool_shape, cache_shape, dtype):
     assert "output_operand_aliases" in text
     lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p, p), (c, c), s, d, n),
                    pool, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
-    compact = CopyTuning(compact_grid=True)
-    lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact(p, c, s, d, n, tuning=compact),
-                   pool, cache, sds((64, 2048)), sds((64, 2048)), sds((64,)))
 
 
 # --------------------------------------------------------------------------- GPU, real sizes
@@ -402,3 +389,26 @@ def test_gpu_copies_with_bf16_rows(backend, pinned_host):
     new_pool = hs.mirror_rows(got, pool, jnp.asarray(dev), jnp.asarray(dst), backend=backend)
     assert new_pool.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(new_pool), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [1, 4])
+def test_gpu_step_shaped_plan_from_pinned_pool(layers):
+    """A plan of a decode step's shape (256 batch rows of 2048, most rows with a few misses,
+    some with none, one full) from a pinned pool of 131,072 rows, one launch for every
+    layer: exact against numpy on every layer."""
+    rng = np.random.default_rng(layers)
+    width, block, num_blocks, host_rows, n, k = 576, 64, 8192, 1 << 17, 256, 2048
+    pools_np = [random_rows(rng, (host_rows, width)) for _ in range(layers)]
+    cache_np = random_rows(rng, (num_blocks, block, width))
+    src = rng.integers(0, host_rows + 64, size=(n, k)).astype(np.int32)
+    dst = rng.permutation(num_blocks * block)[: n * k].reshape(n, k).astype(np.int32)
+    counts = rng.integers(0, 200, size=n).astype(np.int32)
+    counts[rng.random(n) < 0.2] = 0
+    counts[7] = k
+    got = tk.gather_compact_group([to_host(p) for p in pools_np],
+                                  [jnp.asarray(cache_np) for _ in pools_np],
+                                  jnp.asarray(src), jnp.asarray(dst), jnp.asarray(counts))
+    for out, pool in zip(got, pools_np, strict=True):
+        np.testing.assert_array_equal(bits(out), bits(oracle_gather(pool, cache_np, src, dst,
+                                                                    counts)))

@@ -101,6 +101,7 @@ def test_the_manager_reuses_what_its_rule_says(data):
         prompt = base[:cut] + _tokens(1000 + rid, data.draw(st.integers(0, 6), label="tail"))
         want = model.pick(prompt)
         assert manager.cached_tokens(prompt) == want[0]
+        assert manager.admission_need(prompt) == (want[0], -(-len(prompt) // B))
         admitted = manager.admit(rid, prompt)
         assert (admitted.num_cached_tokens, admitted.state_row) == want
         assert admitted.num_scheduled_tokens == len(prompt) - want[0]

@@ -263,6 +263,44 @@ def test_resident_prefix_hits_restore_the_hit_pages_without_a_device_copy():
     assert coord.view("b").valid_pages >= {0, 1}
 
 
+@pytest.mark.parametrize("resident_prefix_hits", [False, True])
+@pytest.mark.parametrize("second", [list(range(10)) + [70, 71], list(range(12)), [9, 9, 9]],
+                         ids=["hit-2-pages", "whole-prompt", "miss"])
+def test_admission_need_is_what_admitting_the_whole_prompt_takes(resident_prefix_hits,
+                                                                 second):
+    """`admission_need` reports the tokens admit reuses and the device blocks it takes for the
+    whole prompt (no device copy to adopt): a staged hit takes its uncached pages and a hot
+    region, a resident hit a block per page, a miss a block per page; it changes nothing."""
+    coord = make(resident_prefix_hits=resident_prefix_hits)
+    first = list(range(12))
+    assert coord.admission_need(first) == (0, 3)
+    coord.admit("a", first)
+    complete_all(coord, coord.build_plan())
+    coord.finish("a")
+    grabbed = coord.device_pool.allocate(coord.device_pool.num_free)  # evicts a's copies
+    coord.device_pool.free(grabbed)
+    cached, need = coord.admission_need(second)
+    assert coord.admission_need(second) == (cached, need)            # changes nothing
+    assert cached == coord.cached_tokens(second)
+    free = coord.device_pool.num_free
+    result = coord.admit("b", second)
+    assert result.num_cached_tokens == cached
+    assert free - coord.device_pool.num_free == need
+    full_hit = cached // B
+    pages = -(-len(second) // B)
+    staged = full_hit > 0 and not resident_prefix_hits
+    assert need == (pages - full_hit + coord.hot_blocks if staged else pages)
+    coord.check_invariants()
+
+
+def test_admission_need_without_prefix_caching_counts_every_page():
+    coord = make(enable_prefix_caching=False)
+    coord.admit("a", list(range(12)))
+    complete_all(coord, coord.build_plan())
+    coord.finish("a")
+    assert coord.admission_need(list(range(10))) == (0, 3)
+
+
 def test_listeners_hear_publications_and_evictions():
     coord = make(num_host_blocks=6)
     published, evicted = [], []

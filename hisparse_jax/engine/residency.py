@@ -129,6 +129,12 @@ class StaticResidency:
             return 0
         return self._best_row(prompt_token_ids)[0]
 
+    def admission_need(self, prompt_token_ids: Sequence[int]) -> tuple[int, int]:
+        """(cached, blocks): `cached_tokens`, and a block per prompt page (every page is
+        resident; a reused seat's rows are in its own blocks). Changes nothing."""
+        return (self.cached_tokens(prompt_token_ids),
+                -(-len(prompt_token_ids) // self.block_size))
+
     def _best_row(self, prompt: Sequence[int]) -> tuple[int, int]:
         """(reused tokens, free row): the longest match, else the lowest row keeping nothing,
         else the row kept longest ago (`_kept` is oldest first)."""

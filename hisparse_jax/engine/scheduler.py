@@ -52,7 +52,6 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine.metrics import Metrics
 from hisparse_jax.engine.request import Request
 from host_tier.plan import StepPlan
-from host_tier.sizes import cdiv
 
 PENDING_TOKEN = 0
 """The token id the residency manager gets for a token still on the device (asynchronous
@@ -84,9 +83,8 @@ class Scheduler:
     Args:
       manager: the residency manager (Coordinator API: admit / schedule_batch / build_plan /
         finish / cancel / preempt / abort / view / all_pages_resident / request_room /
-        on_transfers / has_pending_transfers / failed_requests / capacity_error, `in`,
-        `device_pool.num_free`, `hot_blocks`, `stats`; with `enable_prefix_caching` True,
-        `cached_tokens` too).
+        on_transfers / has_pending_transfers / failed_requests / capacity_error /
+        admission_need, `in`, `device_pool.num_free`, `hot_blocks`, `stats`).
       transfers: the transfer worker (`poll`, `num_in_flight`).
       cfg: sizes (max_num_reqs seats, block_size, max_model_len, num_gpu_blocks).
       residency: the mode's residency type.
@@ -123,11 +121,6 @@ class Scheduler:
         self.pass_admitted: list[Request] = []
         self.pass_chunks: list[Request] = []
         self.prefill_chunk_size = prefill_chunk_size
-        # The manager serves prefix hits (a Coordinator with prefix caching on).
-        self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
-        # Prefix hits read host pages by staging (no resident block per hit page).
-        self.stages_hits = self.prefix_caching and not getattr(manager, "resident_prefix_hits",
-                                                                True)
         self.max_prefill_tokens = max_prefill_tokens
         self._budget: int | None = None  # prompt tokens the open pass may still prefill
         self.newly_finished: list[Request] = []  # since the engine last took them
@@ -283,16 +276,12 @@ class Scheduler:
             if not n:
                 break  # the step's prefill budget is spent
             # A prefix hit: the reused tokens are not computed (at most the rest is scheduled).
-            cached = manager.cached_tokens(req.prompt) if self.prefix_caching else 0
+            # `need`: the device blocks the request holds once its prompt is in.
+            cached, need = manager.admission_need(req.prompt)
             n = min(n, len(req.prompt) - cached)
             # Admission keeps a hot region's worth of blocks free while others run, so a
             # running request that crosses the watermark can get its hot region (and start
             # unpinning) instead of stalling until someone is preempted.
-            need = cdiv(len(req.prompt), self.cfg.block_size)
-            if self.stages_hits and cached >= self.cfg.block_size:
-                # A staged hit's whole pages stay host-only: it takes blocks for the rest of
-                # its prompt and a hot region at admission.
-                need += hot_blocks - cached // self.cfg.block_size
             if (self.running or admitted) and manager.device_pool.num_free - need < hot_blocks:
                 self.metrics.waits += 1
                 # Running requests move to hot regions and unpin pages until it fits.

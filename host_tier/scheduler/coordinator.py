@@ -238,6 +238,21 @@ class Coordinator:
             return 0
         return self._prefix.match(check_tokens(prompt_token_ids, "prompt_token_ids")).num_cached
 
+    def admission_need(self, prompt_token_ids: Sequence[int]) -> tuple[int, int]:
+        """(cached, blocks) for a prompt admitted now: the tokens `admit` would reuse from
+        published pages (as `cached_tokens`), and the device blocks the request holds once
+        its whole prompt is prefilled: a block per prompt page, except that a staged hit's
+        whole pages stay host-only and it takes a hot region instead (with
+        `resident_prefix_hits` every hit page gets a block). Changes nothing."""
+        tokens = check_tokens(prompt_token_ids, "prompt_token_ids")
+        pages = cdiv(len(tokens), self.block_size)
+        if not self._prefix.enabled:
+            return 0, pages
+        hit = self._prefix.match(tokens)
+        if hit.full_pages and not self.resident_prefix_hits:
+            return hit.num_cached, pages - hit.full_pages + self.hot_blocks
+        return hit.num_cached, pages
+
     def publishes(self, request_id: Hashable) -> bool:
         """Whether pages of the request may still be published: it is running, or it finished
         and its last copies are in flight (they publish its durable prefix when they

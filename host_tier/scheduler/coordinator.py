@@ -234,21 +234,20 @@ class Coordinator:
     def cached_tokens(self, prompt_token_ids: Sequence[int]) -> int:
         """The prompt tokens `admit` would reuse from published pages right now (0 without
         prefix caching): admit's `num_new_tokens` is at most the rest. Changes nothing."""
-        if not self._prefix.enabled:
-            return 0
-        return self._prefix.match(check_tokens(prompt_token_ids, "prompt_token_ids")).num_cached
+        return self.admission_need(prompt_token_ids)[0]
 
     def admission_need(self, prompt_token_ids: Sequence[int]) -> tuple[int, int]:
         """(cached, blocks) for a prompt admitted now: the tokens `admit` would reuse from
         published pages (as `cached_tokens`), and the device blocks the request holds once
         its whole prompt is prefilled: a block per prompt page, except that a staged hit's
         whole pages stay host-only and it takes a hot region instead (with
-        `resident_prefix_hits` every hit page gets a block). Changes nothing."""
-        tokens = check_tokens(prompt_token_ids, "prompt_token_ids")
-        pages = cdiv(len(tokens), self.block_size)
+        `resident_prefix_hits` every hit page gets a block). Changes nothing. Without prefix
+        caching the tokens are not read (`admit` checks them), so asking costs nothing per
+        pass while a long prompt waits."""
+        pages = cdiv(len(prompt_token_ids), self.block_size)
         if not self._prefix.enabled:
             return 0, pages
-        hit = self._prefix.match(tokens)
+        hit = self._prefix.match(check_tokens(prompt_token_ids, "prompt_token_ids"))
         if hit.full_pages and not self.resident_prefix_hits:
             return hit.num_cached, pages - hit.full_pages + self.hot_blocks
         return hit.num_cached, pages

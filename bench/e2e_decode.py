@@ -467,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
                         "keys) instead of the drift model; the turnover flags do not apply")
     p.add_argument("--num-layers", type=int, default=None,
                    help="override the config's layer count (a deeper model)")
+    p.add_argument("--index-group-size", type=int, default=None,
+                   help="override the config's layers per index group (layers sharing one "
+                        "indexer's top-k: one resolve and one swap plan per group)")
+    p.add_argument("--host-pool-layout", choices=("packed", "per-layer"), default="packed",
+                   help="the host pool's arrays: an index group's layers side by side in one "
+                        "(packed, the engine's default) or one per layer")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
@@ -504,10 +510,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--indexer and --trace exclude each other (one top-k source)")
     if args.num_layers is not None and args.num_layers < 1:
         raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
+    if args.index_group_size is not None and args.index_group_size < 1:
+        raise SystemExit(f"--index-group-size must be >= 1, got {args.index_group_size}")
     if args.indexer:
         args.turnover_sweep = []  # turnover is the drift model's knob
-    cfg = nn.get_config(args.config, **({} if args.num_layers is None
-                                        else {"num_layers": args.num_layers}))
+    overrides = {k: v for k, v in (("num_layers", args.num_layers),
+                                   ("index_group_size", args.index_group_size)) if v is not None}
+    try:
+        cfg = nn.get_config(args.config, **overrides)
+    except ValueError as e:
+        raise SystemExit(f"--num-layers / --index-group-size: {e}") from None
     sizes = plan_sizes(args, cfg)
     model = nn.init_model(cfg, seed=0)
     counter = CompileCounter()
@@ -519,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {"model": cfg.name, "context": args.context, "gen_budget": args.gen_budget,
               "block_size": args.block_size, "top_k": cfg.top_k,
               "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
-              "num_layers": cfg.num_layers,
+              "num_layers": cfg.num_layers, "index_group_size": cfg.index_group_size,
+              "host_pool_layout": args.host_pool_layout,
               "topk_source": ("the model's indexer over synthetic unit-normal index keys"
                               if args.indexer else f"trace {args.trace}" if args.trace
                               else "drift model"),
@@ -546,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                             row_width=kvf.storage_width(kv_format, cfg.row_width),
                             dtype=kvf.storage_dtype(kv_format, cfg.kv_dtype),
                             num_blocks=1 + (max(args.concurrency) + 1)
-                            * sizes["pages_per_request"])
+                            * sizes["pages_per_request"],
+                            layers_per_array=(cfg.index_group_size
+                                              if args.host_pool_layout == "packed" else 1))
             config.setdefault("host_pool_gib_by_kv_format", {})[kv_format] = pool.nbytes / 2**30
             if kv_format == formats[0]:
                 config["host_pool_gib"] = pool.nbytes / 2**30

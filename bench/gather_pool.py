@@ -17,7 +17,9 @@ read twice, so no L2 reuse), the wall divided by the count. Cases:
   * layers: an index group of 2 layers with one pool per layer (half the size each), as the
     engine holds them, in one launch (`gather_compact_group`) and in one launch per layer
     (`fused=False`), against one pool holding both layers' rows side by side (2304 B rows):
-    the same bytes.
+    the same bytes; and the packed host pool the engine keeps for such a group
+    (`HostPool(layers_per_array=2)`: one [blocks, B, 2 x 576] array) through
+    `gather_compact_group` into the two layers' caches.
 
 The same-run baseline is the first case (the smallest pool). Writes
 `bench/results/gather_pool-<backend>.json` after every figure. HISPARSE_BENCH_SMALL=1: tiny
@@ -83,14 +85,16 @@ def _chain(pools, caches, src, dst, counts, *, fused: bool):
 
 
 def _time(pools: list[jax.Array], rows: int, reps: int, rng, *, ordered: bool = False,
-          fused: bool = True) -> dict[str, Any]:
-    """Device time of one gather of `rows` rows from each pool: a chain of `reps` in one
-    jit (compiled and run once first), median of 3 chains, divided by `reps`."""
-    width = pools[0].shape[-1]
+          fused: bool = True, layers: int | None = None) -> dict[str, Any]:
+    """Device time of one gather of `rows` rows of every layer (one per pool, or `layers`
+    side by side in the pools: packed): a chain of `reps` in one jit (compiled and run once
+    first), median of 3 chains, divided by `reps`."""
+    layers = layers or len(pools)
+    width = pools[0].shape[-1] * len(pools) // layers
     src, dst, counts, num_blocks = _plans(rng, pools[0].shape[0] * BLOCK, rows, reps,
                                           ordered=ordered)
     caches = tuple(jax.device_put(jnp.zeros((num_blocks, BLOCK, width), jnp.bfloat16), DEVICE)
-                   for _ in pools)
+                   for _ in range(layers))
     caches = jax.block_until_ready(_chain(pools, caches, src, dst, counts, fused=fused))
     walls = []
     for _ in range(3):
@@ -98,11 +102,12 @@ def _time(pools: list[jax.Array], rows: int, reps: int, rng, *, ordered: bool = 
         caches = jax.block_until_ready(_chain(pools, caches, src, dst, counts, fused=fused))
         walls.append((time.perf_counter() - t0) * 1e6)
     us = sorted(walls)[1] / reps
-    nbytes = rows * width * 2 * len(pools)
+    nbytes = rows * width * 2 * layers
     return {"pool_gib": sum(p.nbytes for p in pools) / 2**30, "pools": len(pools),
-            "row_bytes": width * 2, "rows": rows, "ordered": ordered, "fused": fused,
-            "bytes": nbytes, "reps": reps, "chain_walls_us": walls, "us_per_gather": us,
-            "GBps": gbps(nbytes, us), "Mrows_per_s": rows * len(pools) / us}
+            "layers": layers, "row_bytes": width * 2, "rows": rows, "ordered": ordered,
+            "fused": fused, "bytes": nbytes, "reps": reps, "chain_walls_us": walls,
+            "us_per_gather": us, "GBps": gbps(nbytes, us),
+            "Mrows_per_s": rows * len(pools) / us}
 
 
 def _anon_huge_kib() -> int | None:
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         with_pools("layers-2pools-one-launch", big / 2, 576, 2)
         with_pools("layers-2pools-per-layer", big / 2, 576, 2, fused=False)
         with_pools("layers-1pool-side-by-side", big, 1152)
+        with_pools("layers-packed-pool", big, 1152, layers=2)
     print("wrote", write_result(name, out, args.output))
     return 0
 

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=4)
     p.add_argument("--top-k", type=positive_int, default=None,
                    help="override the config's top_k (default: the config's)")
+    p.add_argument("--index-group-size", type=positive_int, default=None, metavar="G",
+                   help="override the config's layers per index group (G layers share one "
+                        "indexer's top-k; the host pool keeps them side by side)")
     p.add_argument("--hot-size", type=positive_int, default=None,
                    help="hot-region rows per request, >= top_k (default: 2 * top_k rounded up "
                         "to --block-size)")
@@ -273,6 +276,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--kv-format {args.kv_format} stores rows of {kvf.LATENT_DIM} latent + "
                 f"{kvf.ROPE_DIM} rope values; --config {args.config} has "
                 f"{model.kv_lora_rank} + {model.rope_dim} (use --config {' or '.join(fits)})")
+    if args.index_group_size is not None and model.num_layers % args.index_group_size:
+        p.error(f"--index-group-size {args.index_group_size} must divide the {args.config} "
+                f"config's {model.num_layers} layers (index groups hold whole layers)")
     top_k = args.top_k if args.top_k is not None else model.top_k
     if args.hot_size is not None and args.hot_size < (1 + k) * top_k:
         p.error(f"--hot-size {args.hot_size} must be >= (1 + --speculative-tokens {k}) x "
@@ -293,6 +299,8 @@ def model_config(args: argparse.Namespace) -> nn.ModelConfig:
     """The model's config; with speculation (MTP drafts) it also has an MTP module (the main
     model's parameters do not change with it)."""
     overrides = {} if args.top_k is None else {"top_k": args.top_k}
+    if args.index_group_size is not None:
+        overrides["index_group_size"] = args.index_group_size
     if args.speculative_tokens and args.acceptance_rate is None:
         overrides["mtp_layers"] = 1
     return nn.get_config(args.config, **overrides)

@@ -175,8 +175,10 @@ class CacheBatch:
       src: int32[N, P], host block of each page (0: none).
       res: int32[N, P], resident device block of each page (0: read from host).
       hot: int32[N, Hb], device blocks of the hot region (0: none).
-      host_pools: per layer, the pinned host pool [host_blocks, B, Ws]; may be empty for
-        lookups that never read the host (`AllResident`).
+      host_pools: the pinned host pool's arrays: one per layer [host_blocks, B, Ws], or one
+        per G consecutive layers side by side [host_blocks, B, G * Ws] (G dividing the index
+        group size: `group_pools`); may be empty for lookups that never read the host
+        (`AllResident`).
       rows_per_request: r (static): the batch rows come in groups of r adjacent rows of one
         request (one state row, consecutive positions: speculative verification), resolved
         together (`HiSparse`). A row of position -1 inside a live request writes nothing.
@@ -199,6 +201,25 @@ class CacheBatch:
         srow = jnp.where(state_rows >= 0, state_rows, 0)
         return cls(state_rows, positions, src[srow], res[srow], hot[srow], tuple(host_pools),
                    rows_per_request)
+
+    def group_pools(self, group: int, group_size: int, num_layers: int
+                    ) -> tuple[jax.Array, ...]:
+        """The pool arrays holding index group `group`'s layers (group g: layers
+        [g * group_size, (g + 1) * group_size)), for the group copies.
+
+        Raises:
+          ValueError: the arrays do not split the layers into whole groups (their number
+            must divide num_layers, and the layers per array divide group_size).
+        """
+        arrays = len(self.host_pools)
+        pack = num_layers // arrays if arrays and num_layers % arrays == 0 else 0
+        if not pack or group_size % pack:
+            raise ValueError(
+                f"host_pools has {arrays} arrays for {num_layers} layers in index groups of "
+                f"{group_size}; the rule is one array per layer, or one per G layers with G "
+                "dividing the index group size")
+        per_group = group_size // pack
+        return self.host_pools[group * per_group:(group + 1) * per_group]
 
     def rows(self, index: int) -> CacheBatch:
         """The batch of row `index` of every request (rows_per_request 1)."""
@@ -303,8 +324,9 @@ class HiSparseKVCache:
         layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
         caches = list(self.caches)
         caches[layers] = gather_compact_group(
-            batch.host_pools[layers], caches[layers], resolution.swap_src, resolution.swap_dst,
-            resolution.swap_counts, backend=self.ops_backend)
+            batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
+            resolution.swap_src, resolution.swap_dst, resolution.swap_counts,
+            backend=self.ops_backend)
         cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
         return cache, Lookup(resolution.attention_rows, resolution.num_hits,
                              resolution.swap_counts)

@@ -502,7 +502,8 @@ class Transformer(nnx.Module):
         when collected).
 
         Staging (`host_pages` int32[P], the request's host block of each page, and
-        `host_pools`, the per-layer pinned host pools; `docs/semantics.md`, prefill staging):
+        `host_pools`, the pinned host pool's arrays (`HostPool.arrays`);
+        `docs/semantics.md`, prefill staging):
         pages before the chunk may then be host-only (null in `pages`). After each group
         leader's selection, the distinct positions the chunk's rows select (at most M =
         min(T * top_k, max_model_len)) are gathered into one compact array [M, Ws] per layer
@@ -519,11 +520,16 @@ class Transformer(nnx.Module):
         if host_pages is None:
             src = jnp.zeros_like(res)
         else:
-            if len(host_pools) != self.cfg.num_layers or host_pages.shape != pages.shape:
+            layers, group = self.cfg.num_layers, self.cfg.index_group_size
+            pack = layers // len(host_pools) if host_pools else 0
+            if (not pack or layers % len(host_pools) or group % pack
+                    or host_pages.shape != pages.shape):
                 raise ValueError(
                     f"prefill_chunk: staging needs host_pages of the shape of pages "
-                    f"{tuple(pages.shape)} and one host pool per layer ({self.cfg.num_layers}), "
-                    f"got host_pages {tuple(host_pages.shape)} and {len(host_pools)} pools")
+                    f"{tuple(pages.shape)} and the host pool's arrays (one per layer, or one "
+                    f"per G layers with G dividing the index group size {group}; "
+                    f"{layers} layers), got host_pages {tuple(host_pages.shape)} and "
+                    f"{len(host_pools)} pool arrays")
             src = jnp.broadcast_to(host_pages, res.shape)
         pages_batch = CacheBatch(
             state_rows=jnp.where(jnp.arange(T) < length, state_row, -1), positions=pos,
@@ -641,7 +647,7 @@ def _stage_group(kv: HiSparseKVCache, group: int, topk: jax.Array, rows: jax.Arr
     layers = slice(group * kv.index_group_size, (group + 1) * kv.index_group_size)
     caches = kv.caches[layers]
     out = stage_prefill_rows(
-        batch.host_pools[layers], caches,
+        batch.group_pools(group, kv.index_group_size, kv.num_layers), caches,
         tuple(jnp.zeros((M, cache.shape[-1]), cache.dtype) for cache in caches),
         jnp.where(positions < start, positions, -1), batch.src[0], batch.res[0],
         block_size=B, backend=kv.ops_backend)

@@ -123,6 +123,7 @@ class SimulatedServer:
     they default to the jnp references above. Pass the data plane's
     (`hisparse_jax.ops.mirror_rows` / `restore_rows`) to test it end to end.
     `resident_prefix_hits` goes to the coordinator (hit pages restored into resident blocks).
+    `layers_per_array` packs the pool (`HostPool`: that many layers side by side per array).
     """
 
     def __init__(self, *, block_size: int = 4, num_gpu_blocks: int = 24,
@@ -131,7 +132,7 @@ class SimulatedServer:
                  row_width: int = 4, mirror_fn: MirrorFn | None = None,
                  restore_fn: RestoreFn | None = None, seed: int = 0,
                  spill_fault_rate: float = 0.0, restore_fault_rate: float = 0.0,
-                 resident_prefix_hits: bool = False) -> None:
+                 resident_prefix_hits: bool = False, layers_per_array: int = 1) -> None:
         if row_width < 4:
             raise ValueError("SimulatedServer.row_width must be >= 4")
         self.B = block_size
@@ -146,7 +147,8 @@ class SimulatedServer:
                                  max_num_reqs=max_num_reqs, max_model_len=max_model_len,
                                  resident_prefix_hits=resident_prefix_hits)
         self.pool = HostPool(num_layers=num_layers, block_size=block_size, row_width=row_width,
-                             dtype=np.float32, num_blocks=num_host_blocks)
+                             dtype=np.float32, num_blocks=num_host_blocks,
+                             layers_per_array=layers_per_array)
         # Faults come from their own generator: without them the run is the same as before.
         self.fault_rng = random.Random(seed ^ 0x5EED)
         self.fault_rates = {"spill_faults": spill_fault_rate,
@@ -395,11 +397,12 @@ class SimulatedServer:
                                 + slot % self.B)
                 self.counters["hot_misses"] += 1
         if src_rows:
-            src = jnp.asarray(_pad(np.array(src_rows, np.int32), -1))
+            src = _pad(np.array(src_rows, np.int32), -1)
             dst = jnp.asarray(_pad(np.array(dst_rows, np.int32), -1))
             for layer in range(self.num_layers):
-                self.kv[layer] = self.restore_fn(self.pool.layer(layer), self.kv[layer], src,
-                                                 dst)
+                self.kv[layer] = self.restore_fn(
+                    self.pool.layer(layer), self.kv[layer],
+                    jnp.asarray(self.pool.layer_rows(layer, src)), dst)
 
     # ------------------------------------------------------------------ checks
 
@@ -422,7 +425,9 @@ class SimulatedServer:
             return
         tables = self.tables.as_numpy()
         kv = [np.array(a, copy=True).reshape(-1, self.row_width) for a in self.kv]
-        host = [np.array(a, copy=True).reshape(-1, self.row_width) for a in self.pool.arrays]
+        g = self.pool.layers_per_array
+        arrays = [np.array(a, copy=True).reshape(-1, g, self.row_width) for a in self.pool.arrays]
+        host = [arrays[layer // g][:, layer % g] for layer in range(self.num_layers)]
         B = self.B
         for rid in self.coord.request_ids:
             view = self.coord.view(rid)

@@ -128,24 +128,39 @@ def _row_index(ref_ndim: int, rows: jax.Array, block: int) -> tuple[jax.Array, .
     return (rows // block, rows % block)
 
 
+def _unpack(rows: jax.Array, pack: int, width: int) -> tuple[jax.Array, jax.Array | None]:
+    """Row ids of a ref whose rows hold `pack` rows of `width` side by side: (the ref's row,
+    the first column [R, 1]); (rows, None) when pack is 1."""
+    if pack == 1:
+        return rows, None
+    return rows // pack, ((rows % pack) * width)[:, None]
+
+
 def copy_rows(src_ref, src_rows, dst_ref, dst_rows, *, load_mask, store_mask, pieces,
-              src_block, dst_block) -> None:
+              src_block, dst_block, src_pack: int = 1, dst_pack: int = 1) -> None:
     """Inside a kernel: dst rows := src rows, piece by piece; lanes off `load_mask` read 0,
     lanes off `store_mask` write nothing.
 
-    src_ref / dst_ref: [rows, W] or [blocks, B, W] refs (`src_block` / `dst_block` = B, or 1
-    for 2-D refs); src_rows / dst_rows: int32[R] flat rows, already out of range (and
-    non-negative) where masked; pieces: `row_pieces` of W.
+    src_ref / dst_ref: [rows, P * W] or [blocks, B, P * W] refs (`src_block` / `dst_block` =
+    B, or 1 for 2-D refs; P = `src_pack` / `dst_pack`, the W-wide rows side by side in one
+    ref row: a packed host pool); src_rows / dst_rows: int32[R] flat rows of W-wide rows
+    (ref row `v // P`, columns `(v % P) * W` on), already out of range (and non-negative)
+    where masked; pieces: `row_pieces` of W.
     """
+    width = sum(size for _, size in pieces)
+    src_rows, src_col = _unpack(src_rows, src_pack, width)
+    dst_rows, dst_col = _unpack(dst_rows, dst_pack, width)
     src_idx = _row_index(len(src_ref.shape), src_rows, src_block)
     dst_idx = _row_index(len(dst_ref.shape), dst_rows, dst_block)
     nrows = src_rows.shape[0]
     for start, size in pieces:
         cols = (start + jnp.arange(size, dtype=jnp.int32))[None, :]
         shape = (nrows, size)
-        vals = plgpu.load(src_ref.at[(*src_idx, cols)],
+        src_cols = cols if src_col is None else cols + src_col
+        dst_cols = cols if dst_col is None else cols + dst_col
+        vals = plgpu.load(src_ref.at[(*src_idx, src_cols)],
                           mask=jnp.broadcast_to(load_mask[:, None], shape), other=0)
-        plgpu.store(dst_ref.at[(*dst_idx, cols)], vals.astype(dst_ref.dtype),
+        plgpu.store(dst_ref.at[(*dst_idx, dst_cols)], vals.astype(dst_ref.dtype),
                     mask=jnp.broadcast_to(store_mask[:, None], shape))
 
 

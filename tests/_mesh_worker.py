@@ -5,7 +5,9 @@ the device count must be set before jax starts, and the main suite runs with one
       The single-device `Engine` (all-resident, the reference) and a `MeshEngine` per
       argument over 4 virtual devices, on the same requests; writes tokens and figures.
       ":warmup": `MeshEngine.warmup()` first, and the compiles of the run are counted;
-      ":recover": then the requests again with failures injected (`faults`).
+      ":recover": then the requests again with failures injected (`faults`);
+      ":grouped": the model with both layers in one index group (its host pool packed), against
+      its own single-device reference (recorded as the entry's "reference_tokens").
   python tests/_mesh_worker.py process OUT.json MESH:MODE PORT PROCESS_ID
       One of two processes (`jax.distributed`, 2 virtual devices each) running a
       `MeshEngine` over the 4 global devices; writes its own shards' requests.
@@ -55,11 +57,17 @@ def meshes(out_path, specs):
     from hisparse_jax.engine.mesh import MeshEngine
     from hisparse_jax.engine.metrics import CompileWatch
 
-    model = nn.init_model("tiny", seed=0)
-    ref = run(Engine(model, EngineConfig(**CONFIG, all_resident=True)))
-    record = {"reference": {i: t for i, (t, _) in ref.items()}, "meshes": {}}
+    models = {False: nn.init_model("tiny", seed=0)}
+    refs = {False: run(Engine(models[False], EngineConfig(**CONFIG, all_resident=True)))}
+    record = {"reference": {i: t for i, (t, _) in refs[False].items()}, "meshes": {}}
     for spec in specs:
         shape, mode, *flags = spec.split(":")
+        grouped = "grouped" in flags
+        if grouped not in models:
+            models[grouped] = nn.init_model(nn.get_config("tiny", index_group_size=2), seed=0)
+            refs[grouped] = run(Engine(models[grouped],
+                                       EngineConfig(**CONFIG, all_resident=True)))
+        model, ref = models[grouped], refs[grouped]
         engine = MeshEngine(model, EngineConfig(**CONFIG, **MODES[mode]),
                             mesh_shape=tuple(int(n) for n in shape.split("x")))
         warm = {}
@@ -74,7 +82,8 @@ def meshes(out_path, specs):
         if "warmup" in flags:
             warm["served_compiles"] = CompileWatch.count - compiles
             warm["compile_seconds"] = engine.summary()["compile_seconds"]
-        record["meshes"][f"{shape}:{mode}"] = {
+        key = f"{shape}:{mode}" + (":grouped" if grouped else "")
+        record["meshes"][key] = {
             "tokens": {i: t for i, (t, _) in got.items()},
             # Per (request, step, layer): the largest difference to the single device.
             "attention_slice_max_diffs": [
@@ -82,8 +91,12 @@ def meshes(out_path, specs):
                 for d in abs(a - ref[i][1]).reshape(a.shape[0] * a.shape[1], -1).max(1)],
             "shards": [len(sh.scheduler.finished) for sh in engine.shards],
             "traces": dict(engine.trace_counts), **figures(engine), **warm}
+        if grouped:
+            record["meshes"][key]["reference_tokens"] = {i: t for i, (t, _) in ref.items()}
+            record["meshes"][key]["pool_arrays"] = [len(sh.runner.host_pool.arrays)
+                                                    for sh in engine.shards]
         if "recover" in flags:
-            record["meshes"][f"{shape}:{mode}"]["recovery"] = faults(engine)
+            record["meshes"][key]["recovery"] = faults(engine)
         engine.close()
     record["errors"] = refusals(model)
     with open(out_path, "w") as f:

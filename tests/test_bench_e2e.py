@@ -81,13 +81,15 @@ def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
 
     out = tmp_path / "e2e.json"
     rc = e2e_decode.main([
-        "--config", "tiny", "--num-layers", "4", "--indexer", "--context", "256",
+        "--config", "tiny", "--num-layers", "4", "--index-group-size", "2", "--indexer",
+        "--context", "256",
         "--gen-budget", "64", "--block-size", "16", "--concurrency", "6",
         "--modes", "hisparse,all-resident", "--warmup-steps", "2", "--measure-steps", "4",
         "--rounds", "2", "--output", str(out), "--no-plot"])
     assert rc == 0
     record = json.loads(out.read_text())
-    assert record["config"]["num_layers"] == 4
+    assert record["config"]["num_layers"] == 4 and record["config"]["index_group_size"] == 2
+    assert record["config"]["host_pool_layout"] == "packed"
     assert record["config"]["topk_source"].startswith("the model's indexer")
     runs = {r["mode"]: r for r in record["results"]}
     assert set(runs) == {"hisparse", "all-resident"}  # no turnover sweep with the indexer
@@ -99,6 +101,11 @@ def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
         e2e_decode.main(["--indexer", "--trace", "x.npz", "--no-plot"])
     with pytest.raises(SystemExit, match="--num-layers must be >= 1"):
         e2e_decode.main(["--num-layers", "0", "--no-plot"])
+    with pytest.raises(SystemExit, match="--index-group-size must be >= 1"):
+        e2e_decode.main(["--index-group-size", "0", "--no-plot"])
+    with pytest.raises(SystemExit, match="num_layers=4 must be a multiple of index_group_size=3"):
+        e2e_decode.main(["--config", "tiny", "--num-layers", "4", "--index-group-size", "3",
+                         "--no-plot"])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -28,10 +28,12 @@ def test_every_case_is_recorded(tmp_path):
     cases = [f["case"] for f in record["figures"]]
     assert cases == ["size", "size", "size-sorted", "width2304", "width4608",
                      "layers-2pools-one-launch", "layers-2pools-per-layer",
-                     "layers-1pool-side-by-side"]
+                     "layers-1pool-side-by-side", "layers-packed-pool"]
     for f in record["figures"]:
-        assert f["rows"] == 100 and f["bytes"] == 100 * f["row_bytes"] * f["pools"]
+        assert f["rows"] == 100 and f["bytes"] == 100 * f["row_bytes"] * f["layers"]
         assert f["reps"] == 2 and len(f["chain_walls_us"]) == 3
+    packed = record["figures"][-1]
+    assert (packed["pools"], packed["layers"], packed["row_bytes"]) == (1, 2, 1152)
     assert record["figures"][0]["ratio_GBps_to_baseline"] == 1.0
 
 

@@ -44,19 +44,21 @@ def _tables(residency):
     return src, res, hot
 
 
-def _pools():
-    """Per layer, host pool content (NumPy) and the same in pinned host memory."""
+def _pools(packed=False):
+    """Per layer, host pool content (NumPy) and the same in pinned host memory: one array
+    per layer, or (packed) one array with every layer side by side."""
     rng = np.random.default_rng(1)
     host = [rng.standard_normal((CFG.num_host_blocks, B, W)).astype(np.float32)
             for _ in range(LAYERS)]
     pinned = memory_sharding(jax.devices()[0], "pinned_host")
-    return host, tuple(jax.device_put(h, pinned) for h in host)
+    arrays = [np.concatenate(host, axis=-1)] if packed else host
+    return host, tuple(jax.device_put(h, pinned) for h in arrays)
 
 
-def _setup(residency, positions=(20, 0, 21)):
+def _setup(residency, positions=(20, 0, 21), packed=False):
     """A cache whose resident pages hold the host rows of the same pages, and a batch that
     writes on the last (resident) page."""
-    host, pools = _pools()
+    host, pools = _pools(packed)
     src, res, hot = _tables(residency)
     cache = HiSparseKVCache.create(CFG, num_layers=LAYERS, residency=residency,
                                    index_group_size=LAYERS)
@@ -147,9 +149,11 @@ def test_all_resident_lookup_maps_positions_through_the_resident_table():
     assert new is cache
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["pool_per_layer", "packed_pool"])
 @pytest.mark.parametrize("residency", [HiSparse(), NaiveOffload()], ids=lambda r: r.name)
-def test_host_lookups_copy_misses_into_every_layer_and_reuse_only_with_hisparse(residency):
-    cache, batch, host, tables = _setup(residency)
+def test_host_lookups_copy_misses_into_every_layer_and_reuse_only_with_hisparse(residency,
+                                                                                packed):
+    cache, batch, host, tables = _setup(residency, packed=packed)
     topk = _topk()
     cache, found = cache.lookup(0, topk, batch)
     from_host = _check_lookup(cache, found, topk, host, tables)
@@ -167,6 +171,20 @@ def test_host_lookups_copy_misses_into_every_layer_and_reuse_only_with_hisparse(
     else:
         np.testing.assert_array_equal(misses, from_host)
         assert not hits.any()
+
+
+def test_group_pools_picks_each_groups_arrays_and_names_a_bad_split():
+    _, batch, _, _ = _setup(HiSparse())
+    pools = batch.host_pools
+    four = dataclasses.replace(batch, host_pools=pools * 2)        # 4 arrays, 4 layers
+    assert four.group_pools(1, 2, 4) == pools                         # layers 2, 3
+    two = dataclasses.replace(batch, host_pools=pools)                # 2 arrays: G = 2
+    assert two.group_pools(1, 2, 4) == pools[1:]
+    assert two.group_pools(0, 4, 4) == pools
+    with pytest.raises(ValueError, match="2 arrays for 4 layers in index groups of 1"):
+        two.group_pools(0, 1, 4)
+    with pytest.raises(ValueError, match="2 arrays for 3 layers"):
+        two.group_pools(0, 3, 3)
 
 
 def test_hisparse_lookup_drops_the_hot_copy_of_a_rewritten_row():

@@ -53,7 +53,8 @@ def refused(argv, capsys) -> str:
 # ------------------------------------------------------------------ one flag at a time
 
 BAD_VALUES = [
-    ("--top-k", "0"), ("--top-k", "-3"), ("--hot-size", "0"), ("--prompt-len", "0"),
+    ("--top-k", "0"), ("--top-k", "-3"), ("--index-group-size", "0"), ("--hot-size", "0"),
+    ("--prompt-len", "0"),
     ("--block-size", "0"), ("--gen-len", "0"), ("--max-model-len", "-4"), ("--requests", "0"),
     ("--seats", "0"), ("--gpu-blocks", "0"), ("--host-blocks", "0"), ("--prefill-bucket", "0"),
     ("--gpu-pool-fraction", "-1"), ("--gpu-pool-fraction", "0"), ("--gpu-pool-fraction", "1.5"),
@@ -102,6 +103,7 @@ CROSS_FIELD = [
     (["--speculative-tokens", "1", "--hot-size", "16"],
      ["--hot-size", "--speculative-tokens 1", "top_k 16"]),
     (["--check", "--check-chunked"], ["--check-chunked", "--prefill-chunk-size"]),
+    (["--index-group-size", "3"], ["--index-group-size 3", "2 layers"]),
     (["--prefill-chunk-size", "8", "--check-chunked"], ["--check-chunked", "--check"]),
 ]
 
@@ -144,6 +146,12 @@ def test_omitted_flags_mean_their_defaults():
     # a smaller fraction gives a smaller pool (down to what a lone request needs)
     assert (_config(["--gpu-pool-fraction", "1"]).num_gpu_blocks
             > _config(["--gpu-pool-fraction", "0.4"]).num_gpu_blocks)
+
+
+def test_index_group_size_reaches_the_model_config():
+    args = decode.build_parser().parse_args(["--index-group-size", "2"])
+    assert decode.model_config(args).index_group_size == 2
+    assert decode.model_config(decode.build_parser().parse_args([])).index_group_size == 1
 
 
 def test_speculation_flags_reach_the_model_and_engine_configs():

@@ -72,6 +72,37 @@ def test_hisparse_under_pressure_matches_all_resident(all_resident, pressured):
     assert base_engine.summary()["rows_moved_h2d"] == 0
 
 
+@functools.cache
+def _grouped_runs():
+    """The tiny model with both layers in one index group, all-resident and under pressure
+    with the host pool packed (the group's layers side by side in one array) and not."""
+    model = nn.init_model(nn.get_config("tiny", index_group_size=2), seed=0)
+    out = {}
+    for name, kw in (("all_resident", dict(all_resident=True)),
+                     ("packed", dict(num_gpu_blocks=44)),
+                     ("per_layer", dict(num_gpu_blocks=44, pack_host_layers=False))):
+        engine, done = run_prompts(model, PROMPTS[:4], max_new_tokens=GEN, max_seats=4,
+                                   max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
+                                   **kw)
+        arrays = None if engine.host_pool is None else len(engine.host_pool.arrays)
+        out[name] = (engine.summary(), arrays, [r.generated for r in done])
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_layer"])
+def test_an_index_groups_layers_packed_or_not_decode_what_all_resident_decodes(layout):
+    """One index group of two layers: the engine packs its host pool into one array by
+    default (`pack_host_layers`), or keeps one per layer; under pressure (host reads, spills,
+    lost pages) both decode exactly the all-resident tokens."""
+    runs = _grouped_runs()
+    summary, arrays, tokens = runs[layout]
+    assert arrays == (1 if layout == "packed" else 2)
+    assert summary["rows_moved_h2d"] > 0 and summary["lost_pages"] > 0, summary
+    assert summary["spilled_pages"] > 0, summary
+    assert tokens == runs["all_resident"][2]
+
+
 def test_decode_step_compiles_once(all_resident, pressured):
     # max_traces=1 wraps every jitted function in chex.assert_max_traces(n=1): a retrace
     # would have raised during the runs above. The counters say the same.

@@ -145,6 +145,12 @@ def test_fp8_engine_config_errors():
                   num_blocks=20) as pool:
         with pytest.raises(ValueError, match=r"host_pool must be an open HostPool.*656"):
             Engine(model(), ec, host_pool=pool)
+    # ... and be packed no wider than the model's index groups (here: one layer each).
+    with HostPool(num_layers=2, block_size=4, row_width=656, dtype="uint8", num_blocks=20,
+                  layers_per_array=2) as pool:
+        with pytest.raises(ValueError, match=r"host_pool keeps 2 layers per array; the rule is "
+                                             r"a number dividing the index group size 1"):
+            Engine(model(), ec, host_pool=pool)
 
 
 def test_fp8_example_check_passes(capsys):

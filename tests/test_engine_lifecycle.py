@@ -160,6 +160,7 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
     (dict(seed="0"), "EngineConfig.seed must be an int"),
     (dict(all_resident="yes"), "EngineConfig.all_resident must be a bool"),
     (dict(compilation_cache=None), "EngineConfig.compilation_cache must be a bool"),
+    (dict(pack_host_layers=2), "EngineConfig.pack_host_layers must be a bool"),
     (dict(all_resident=True, naive_offload=True), "exclude each other"),
     (dict(enable_prefix_caching=True, async_scheduling=True),
      "EngineConfig.enable_prefix_caching needs async_scheduling=False"),

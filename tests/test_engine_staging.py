@@ -214,19 +214,26 @@ def test_a_staged_chunk_computes_what_the_resident_chunk_computes(pinned_host, s
     host_only = np.arange(n // B) < start // B
     host_pages = np.where(np.arange(n // B) < (start + k + B - 1) // B,
                           1 + rng.permutation(n // B), 0).astype(np.int32)
-    pools, caches = [], []
+    pools, caches, pools_np = [], [], []
     for layer_cache in cache.kv.caches:
         rows = np.asarray(layer_cache)
         pool = np.zeros((1 + n // B, *rows.shape[1:]), rows.dtype)
         pool[host_pages[host_only]] = rows[pages[host_only]]
         pools.append(jax.device_put(pool, pinned_host))
+        pools_np.append(pool)
         rows = rows.copy()
         rows[pages[host_only]] = 0  # the host-only pages' device copies are gone
         caches.append(jnp.asarray(rows))
     cold = dataclasses.replace(cache, kv=dataclasses.replace(cache.kv, caches=tuple(caches)))
     res = np.where(host_only, 0, pages).astype(np.int32)
-    logits, got, aux = chunk(cold, padded, jnp.int32(start), jnp.int32(k), res, host_pages,
-                             tuple(pools))
+    logits, got, aux = chunk(jax.tree.map(jnp.copy, cold), padded, jnp.int32(start),
+                             jnp.int32(k), res, host_pages, tuple(pools))
+    # The pool packed (both layers of the group side by side in one array) stages the same.
+    packed = (jax.device_put(np.concatenate(pools_np, axis=-1), pinned_host),)
+    packed_logits, _, packed_aux = chunk(cold, padded, jnp.int32(start), jnp.int32(k), res,
+                                         host_pages, packed)
+    np.testing.assert_array_equal(np.asarray(packed_logits), np.asarray(logits))
+    assert int(packed_aux["staged_rows_host"]) == int(aux["staged_rows_host"])
     # The same staged chunk with every page resident copies the same distinct rows, all
     # device to device; with the early pages host-only exactly those pages' rows come from host.
     _, _, resident_aux = chunk(hot, padded, jnp.int32(start), jnp.int32(k), pages, host_pages,

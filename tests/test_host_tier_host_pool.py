@@ -25,6 +25,41 @@ def test_pool_lives_in_pinned_host_memory_one_array_per_layer():
         assert not np.any(pool.read_rows(2, np.arange(20)))
 
 
+def test_packed_pool_keeps_g_layers_side_by_side_per_array():
+    """layers_per_array=G: L / G arrays G times wider, the same bytes and blocks; each layer
+    reads its own columns (read_rows, layer_rows), and bad packings are refused."""
+    budget = 6 * 5 * 4 * 8 * 4 / GIB
+    with HostPool(num_layers=6, block_size=4, row_width=8, dtype=np.float32,
+                  host_pool_gib=budget, layers_per_array=3) as pool, \
+            HostPool(num_layers=6, block_size=4, row_width=8, dtype=np.float32,
+                     host_pool_gib=budget) as flat:
+        assert pool.num_blocks == flat.num_blocks == 5 and pool.nbytes == flat.nbytes
+        assert len(pool.arrays) == pool.num_arrays == 2 and len(flat.arrays) == 6
+        assert all(a.shape == (5, 4, 24) for a in pool.arrays) and pool.shape == (5, 4, 24)
+        assert pool.layer(4) is pool.arrays[1] and pool.array_index(2) == 0
+        rows = np.array([0, 7, -1, 19], np.int32)
+        np.testing.assert_array_equal(pool.layer_rows(4, rows), [1, 22, -1, 58])
+        np.testing.assert_array_equal(flat.layer_rows(4, rows), rows)
+        values = np.arange(5 * 4 * 24, dtype=np.float32).reshape(5, 4, 24)
+        pool.replace_layer(5, jax.device_put(values, pool.sharding))
+        for layer in (3, 4, 5):
+            slot = layer % 3
+            np.testing.assert_array_equal(pool.read_rows(layer, [0, 13]),
+                                          values.reshape(20, 24)[[0, 13],
+                                                                 slot * 8:(slot + 1) * 8])
+        assert "3 layers per array" in repr(pool)
+        with pytest.raises(ValueError, match=r"layer index must be in \[0, 6\), got 6"):
+            pool.layer_rows(6, rows)
+        with pytest.raises(ValueError, match=r"array index must be in \[0, 2\), got 2"):
+            pool.replace_array(2, pool.arrays[0])
+    with pytest.raises(ValueError, match="layers_per_array=4 must divide num_layers=6"):
+        HostPool(num_layers=6, block_size=4, row_width=8, dtype=np.float32, num_blocks=5,
+                 layers_per_array=4)
+    with pytest.raises(ValueError, match="layers_per_array"):
+        HostPool(num_layers=6, block_size=4, row_width=8, dtype=np.float32, num_blocks=5,
+                 layers_per_array=0)
+
+
 def test_block_count_comes_from_the_byte_budget():
     block_bytes = 2 * 16 * 576 * 2  # 2 layers, B=16, W=576, bf16
     budget_gib = (10 * block_bytes + 100) / GIB

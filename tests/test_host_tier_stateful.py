@@ -43,6 +43,8 @@ CONFIGS = [
          max_num_reqs=4, max_model_len=32),
     dict(block_size=2, num_gpu_blocks=20, num_host_blocks=48, hot_size=6, top_k=3,
          max_num_reqs=5, max_model_len=24, num_layers=1),
+    dict(block_size=4, num_gpu_blocks=24, num_host_blocks=40, hot_size=8, top_k=4,
+         max_num_reqs=6, max_model_len=48, num_layers=4, layers_per_array=2),
 ]
 
 
@@ -133,12 +135,15 @@ def test_host_tier_state_machine_long():
          steps=int(os.environ.get("HISPARSE_STATEFUL_STEPS", "200")))
 
 
-def test_seeded_soak_reaches_every_residency_path():
+@pytest.mark.parametrize("layers_per_array", [1, 2])
+def test_seeded_soak_reaches_every_residency_path(layers_per_array):
     """A fixed random schedule long enough that pages are lost and read from host, hot regions
     hit and miss, partial hits copy on write, device copies are adopted and capacity waits: the
-    checks above are only meaningful if these paths run."""
+    checks above are only meaningful if these paths run. Also with a packed pool (the two
+    layers side by side in one array)."""
     rng = random.Random(7)
-    sim = SimulatedServer(seed=7, mirror_fn=mirror_rows, restore_fn=restore_rows)
+    sim = SimulatedServer(seed=7, mirror_fn=mirror_rows, restore_fn=restore_rows,
+                          layers_per_array=layers_per_array)
     try:
         run_seeded_soak(sim, rng, 300)
         stats = sim.coord.stats

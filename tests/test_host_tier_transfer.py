@@ -257,3 +257,37 @@ def test_a_raising_group_mirror_fails_the_plan_and_keeps_the_pool():
             np.testing.assert_array_equal(np.array(pool.layer(i)), before[i])
     with pytest.raises(ValueError, match="mirror_group_fn must be callable"):
         TransferEngine(pool, mirror_fn=mirror_rows, mirror_group_fn=3)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per_layer_fn", "group_fn"])
+@pytest.mark.parametrize("layers, per_array", [(2, 2), (4, 2)])
+def test_a_packed_pool_holds_what_one_array_per_layer_holds(grouped, layers, per_array):
+    """Spills (one call per layer, or one group call) and restores through a packed pool
+    (`layers_per_array`) leave every layer's host rows and restored device rows equal to
+    those of a pool with one array per layer."""
+    spills = [PageSpill(0, device_block=2, host_block=5), PageSpill(1, device_block=4,
+                                                                  host_block=1)]
+    restores = [PageRestore(2, host_block=5, device_block=0, num_rows=3)]
+    caches = [jnp.asarray(np.arange(6 * B * W, dtype=np.float32).reshape(6, B, W) + 1000 * i)
+              for i in range(layers)]
+    got = {}
+    for g in (1, per_array):
+        with HostPool(num_layers=layers, block_size=B, row_width=W, dtype=np.float32,
+                      num_blocks=8, layers_per_array=g) as pool:
+            extra = {"mirror_group_fn": mirror_rows_group} if grouped else {}
+            engine = TransferEngine(pool, mirror_fn=mirror_rows, restore_fn=restore_rows,
+                                    **extra)
+            engine.after_forward(_plan(spills=spills), [jnp.array(c) for c in caches])
+            assert engine.poll(wait=True).completed == (0, 1)
+            restored = engine.before_forward(_plan(restores=restores),
+                                             [jnp.array(c) for c in caches])
+            got[g] = ([pool.read_rows(i, np.arange(8 * B)) for i in range(layers)],
+                      [np.array(c) for c in restored])
+    for layer in range(layers):
+        np.testing.assert_array_equal(got[per_array][0][layer], got[1][0][layer])
+        np.testing.assert_array_equal(got[per_array][1][layer], got[1][1][layer])
+        # and the rows are the spilled pages' (not zeros): block 2 went to host block 5
+        np.testing.assert_array_equal(got[per_array][0][layer][5 * B:6 * B],
+                                      np.array(caches[layer][2]))
+        np.testing.assert_array_equal(got[per_array][1][layer][0, :3],
+                                      np.array(caches[layer][2][:3]))

@@ -50,7 +50,7 @@ def _wait(proc, timeout=600):
 def meshes(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "meshes.json"
     _wait(_worker("meshes", out, "4x1:hisparse", "2x2:pressured:warmup:recover",
-                    "1x4:all_resident"))
+                    "1x4:all_resident", "2x2:pressured:grouped"))
     return json.loads(out.read_text())
 
 
@@ -58,7 +58,7 @@ def test_every_mesh_decodes_the_single_device_tokens(meshes):
     ref = meshes["reference"]
     assert len(ref) == 6
     for spec, run in meshes["meshes"].items():
-        assert run["tokens"] == ref, spec
+        assert run["tokens"] == run.get("reference_tokens", ref), spec
         assert run["finish_reasons"] == {"length": 6}, spec
         # Per (request, step, layer) attention output: a few ulps apart at most (other
         # batch shapes or splits round differently; a data-parallel mesh may round exactly
@@ -113,6 +113,12 @@ def test_admission_spreads_requests_over_the_data_shards(meshes):
 def test_pressured_mesh_reads_through_hot_regions(meshes):
     run = meshes["meshes"]["2x2:pressured"]
     assert run["hot_lookups"] > 0 and run["spilled_pages"] > 0
+    # Both layers in one index group: each data shard's host pool is one packed array, and
+    # the mesh decodes its own single-device reference's tokens (checked above) under pressure.
+    grouped = meshes["meshes"]["2x2:pressured:grouped"]
+    assert grouped["pool_arrays"] == [1, 1]
+    assert grouped["hot_lookups"] > 0 and grouped["spilled_pages"] > 0
+    assert grouped["reference_tokens"] != meshes["reference"]  # another model
     assert run["traces"] == {"decode_fast": 1, "decode_hot": 1}
     assert run["fast_path_steps"] < run["decode_steps"]
     assert meshes["meshes"]["1x4:all_resident"]["spilled_pages"] == 0

@@ -144,6 +144,11 @@ class EngineConfig:
         (read through the hot region once the request decodes) and each prefill chunk stages
         just the rows its query rows select from them (`Transformer.prefill_chunk` staging,
         `docs/semantics.md`, prefill staging).
+      pack_host_layers: the host pool keeps the layers of an index group side by side, one
+        array per group with rows index_group_size x wider (default True): the group's one
+        swap plan then reads each selected host row once for all its layers, and a random
+        pinned-host row costs a fixed overhead beside its bytes (`docs/host_pool.md`). False:
+        one array per layer. Nothing changes for groups of one layer.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -175,6 +180,7 @@ class EngineConfig:
     async_scheduling: bool = False
     enable_prefix_caching: bool = False
     prefix_hit_pages: str = "restore"
+    pack_host_layers: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -199,7 +205,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
                      "compilation_cache", "union_resolution", "async_scheduling",
-                     "enable_prefix_caching"):
+                     "enable_prefix_caching", "pack_host_layers"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -345,6 +351,11 @@ class EngineConfig:
         if not self.num_speculative_tokens:
             return None
         return self.draft_source if self.draft_source is not None else MTPDraft()
+
+    def host_layers_per_array(self, model_config: Any) -> int:
+        """The host pool's layers per array (`pack_host_layers`): the model's index group
+        size, or 1."""
+        return model_config.index_group_size if self.pack_host_layers else 1
 
     def hisparse_config(self, model_config, *, num_host_blocks: int | None = None
                         ) -> HiSparseConfig:

@@ -313,8 +313,9 @@ class Engine:
           config: serving knobs (default `EngineConfig()`).
           host_pool: an existing `host_tier.HostPool` to use (and not close): e.g. one pool
             shared by engines that run one after another, instead of pinning a new pool per
-            engine. Its block count replaces `config.num_host_blocks` (ignored when
-            all-resident).
+            engine. Its block count replaces `config.num_host_blocks` and its packing
+            (`layers_per_array`, which must divide the index group size)
+            `config.pack_host_layers` (ignored when all-resident).
         """
         self.config = ec = config = checked_config("Engine", model, config)
         self.model_config = mc = model.cfg
@@ -331,6 +332,11 @@ class Engine:
             if have != want or host_pool.closed:
                 raise ValueError(f"Engine host_pool must be an open HostPool of (layers, "
                                  f"block_size, row_width, dtype) = {want}, got {have}")
+            if mc.index_group_size % host_pool.layers_per_array:
+                raise ValueError(
+                    f"Engine host_pool keeps {host_pool.layers_per_array} layers per array; "
+                    f"the rule is a number dividing the index group size "
+                    f"{mc.index_group_size} (a packed array holds whole groups' layers)")
         self.hs_config = cfg = ec.hisparse_config(
             mc, num_host_blocks=None if host_pool is None else host_pool.num_blocks)
         ec.check_platform(mc, cfg)
@@ -341,7 +347,9 @@ class Engine:
         if residency.reads_host and host_pool is None:
             # The pool's RAM check runs before anything per block is built.
             try:
-                host_pool = HostPool.from_config(cfg, num_layers=mc.num_layers, device=device)
+                host_pool = HostPool.from_config(
+                    cfg, num_layers=mc.num_layers, device=device,
+                    layers_per_array=ec.host_layers_per_array(mc))
             except ValueError as e:
                 raise ValueError(f"Engine: the host pool of EngineConfig.num_host_blocks="
                                  f"{cfg.num_host_blocks}: {e}") from e

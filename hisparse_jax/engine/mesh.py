@@ -369,7 +369,8 @@ class MeshEngine(Engine):
         if self.residency.reads_host:
             try:
                 pool = HostPool.from_config(cfg, num_layers=mc.num_layers,
-                                            device=devices[0] if len(devices) == 1 else devices)
+                                            device=devices[0] if len(devices) == 1 else devices,
+                                            layers_per_array=ec.host_layers_per_array(mc))
             except ValueError as e:
                 raise ValueError(f"MeshEngine: the host pool of data shard {d} "
                                  f"(EngineConfig.num_host_blocks={cfg.num_host_blocks}): {e}"
@@ -564,9 +565,9 @@ class MeshEngine(Engine):
                        for g in ("src", "res", "hot"))
         pools: tuple[jax.Array, ...] = ()
         if residency.reads_host:
-            pools = tuple(self._global([r.host_pool.layer(i) for r in runners],
+            pools = tuple(self._global([r.host_pool.arrays[i] for r in runners],
                                        memory_kind=runners[0].host_pool.sharding.memory_kind)
-                          for i in range(self.model_config.num_layers))
+                          for i in range(runners[0].host_pool.num_arrays))
         host = [self._host_array(a) for a in (tokens, positions, state_rows)]
         next_tokens, cache, aux = self._decode_jit(residency)(
             self.params, cache, *host, tables, pools, self._host_array(temperature), self._key,

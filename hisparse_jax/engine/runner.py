@@ -322,29 +322,29 @@ class Runner:
         return (jax.tree.leaves(self._cache) + jax.tree.leaves(self.topk_state)
                 + list(self.tables.arrays))
 
-    def _lost_pool_layers(self) -> list[int]:
+    def _lost_pool_arrays(self) -> list[int]:
         if self.host_pool is None:
             return []
-        return [i for i in range(self.host_pool.num_layers) if _lost(self.host_pool.layer(i))]
+        return [i for i, a in enumerate(self.host_pool.arrays) if _lost(a)]
 
     def device_state_lost(self) -> bool:
         """Whether an array the steps carry over (caches, hot states, block tables, top-k
         state, host pool layers) was lost: deleted (donated to a call that failed) or
         poisoned (a failed computation produced it). Waits for the arrays."""
-        return any(_lost(a) for a in self._device_arrays()) or bool(self._lost_pool_layers())
+        return any(_lost(a) for a in self._device_arrays()) or bool(self._lost_pool_arrays())
 
     def reset_device_state(self, tables: TableUpdate) -> None:
         """Rebuilds the device state from scratch (`_init_device_state`; zero block tables
         that then get `tables`, e.g. the manager's `tables.full_update()`) and replaces lost
-        host pool layers with zeros. The caller has released every request whose rows lived
+        host pool arrays with zeros. The caller has released every request whose rows lived
         there (they are recomputed; the engine publishes no host page)."""
-        lost_layers = self._lost_pool_layers()
+        lost_arrays = self._lost_pool_arrays()
         self._init_device_state()
         self.tables = type(self.tables).from_config(self.cfg, device=self.device)
         self.tables.apply(tables)
         pool = self.host_pool
-        for i in lost_layers:
-            pool.replace_layer(i, jax.device_put(np.zeros(pool.shape, pool.dtype), pool.sharding))
+        for i in lost_arrays:
+            pool.replace_array(i, jax.device_put(np.zeros(pool.shape, pool.dtype), pool.sharding))
 
     def _set_cache(self, cache: DecodeCache) -> None:
         """Keeps the cache under the mode's residency between steps (one prefill variant)."""
@@ -765,7 +765,7 @@ class Runner:
             rows = jax.device_put(np.full(size, -1, np.int32), sharding)
             if group is not None:
                 for i, new in enumerate(group(self.cache.kv.caches, pool.arrays, rows, rows)):
-                    pool.replace_layer(i, new)
+                    pool.replace_array(i, new)
                 continue
             for i, kv in enumerate(self.cache.kv.caches):
                 pool.replace_layer(i, mirror(kv, pool.layer(i), rows, rows))

@@ -270,23 +270,57 @@ def validate_pool_and_cache(host_pool, kv_cache) -> None:
     check_host_pool("host_pool", host_pool)
     if _compat.in_host_memory(kv_cache):
         raise ValueError("kv_cache must live in device memory, got a host-memory array")
-    if host_pool.shape[-1] != kv_cache.shape[-1]:
+    width = kv_cache.shape[-1]
+    if width < 1 or host_pool.shape[-1] % width:
         raise ValueError(f"row_width mismatch: host_pool rows are {host_pool.shape[-1]} wide, "
-                         f"kv_cache rows {kv_cache.shape[-1]}")
+                         f"kv_cache rows {width}; the rule is pool rows of the cache's width "
+                         "(or a multiple of it: a packed pool, read as its flat rows)")
     if host_pool.dtype != kv_cache.dtype:
         raise TypeError(f"host_pool dtype {host_pool.dtype} must equal kv_cache dtype "
                         f"{kv_cache.dtype}")
 
 
-def validate_group(host_pools, kv_caches) -> None:
-    if len(host_pools) != len(kv_caches):
-        raise ValueError(f"host_pools has {len(host_pools)} layers but kv_caches has "
-                         f"{len(kv_caches)}")
-    for i, (pool, cache) in enumerate(zip(host_pools, kv_caches, strict=True)):
+def pool_pack(host_pools, kv_caches, *, pools_name: str = "host_pools",
+              caches_name: str = "kv_caches") -> int:
+    """G, the layers per pool array: `host_pools` holds one array per layer (G = 1) or A
+    arrays for the L = A * G layers, array a holding layers aG..aG+G-1 side by side (rows
+    G * W wide, every one of its layers W wide). Checks the count and the widths."""
+    arrays, layers = len(host_pools), len(kv_caches)
+    if arrays == 0 or layers % arrays:
+        raise ValueError(
+            f"{pools_name} has {arrays} arrays for the {layers} layers of {caches_name}; the "
+            "rule is one array per layer, or one per G layers side by side (A arrays, A "
+            "dividing L)")
+    pack = layers // arrays
+    for a, pool in enumerate(host_pools):
+        members = kv_caches[a * pack:(a + 1) * pack]
+        if pack == 1 or not all(hasattr(x, "shape") for x in (pool, *members)):
+            continue  # one layer per array, or not arrays (the per-array checks name them)
+        widths = {c.shape[-1] for c in members}
+        if len(widths) != 1 or pool.shape[-1] != pack * min(widths):
+            raise ValueError(
+                f"{pools_name}[{a}] holds {pack} layers side by side, so its rows must be "
+                f"{pack} x the layers' common width; got rows {pool.shape[-1]} wide for "
+                f"layers of widths {sorted(widths)}")
+    return pack
+
+
+def validate_group(host_pools, kv_caches) -> int:
+    """`validate_pool_and_cache` for every layer against its pool array; returns G
+    (`pool_pack`)."""
+    if not kv_caches and not host_pools:
+        return 1
+    pack = pool_pack(host_pools, kv_caches)
+    for i, cache in enumerate(kv_caches):
+        pool = host_pools[i // pack]
         try:
             validate_pool_and_cache(pool, cache)
+            if pack == 1 and pool.shape[-1] != cache.shape[-1]:
+                raise ValueError(f"row_width mismatch: host_pool rows are {pool.shape[-1]} "
+                                 f"wide, kv_cache rows {cache.shape[-1]}")
         except (ValueError, TypeError) as e:
             raise type(e)(f"layer {i}: {e}") from None
+    return pack
 
 
 def _layers(name: str, value: Any) -> tuple[Any, ...]:
@@ -317,23 +351,25 @@ def validate_stage_prefill(host_pools, caches, staging, positions, source_blocks
     host_pools = _layers("host_pools", host_pools)
     caches = _layers("caches", caches)
     staging = _layers("staging", staging)
-    if not len(host_pools) == len(caches) == len(staging):
-        raise ValueError(f"host_pools, caches and staging must hold one array per layer, got "
-                         f"{len(host_pools)}, {len(caches)} and {len(staging)} layers")
+    if not len(caches) == len(staging):
+        raise ValueError(f"caches and staging must hold one array per layer, got "
+                         f"{len(caches)} and {len(staging)} layers")
     if not staging:
         raise ValueError("host_pools, caches and staging must hold at least one layer, got 0")
+    pack = pool_pack(host_pools, staging, caches_name="staging")
     block_size = check_static_int("block_size", block_size, minimum=1)
     check_array("positions", positions, ndim=1, dtype=jnp.int32)
     check_same_length("source_blocks", source_blocks, "resident_blocks", resident_blocks)
     m = positions.shape[0]
-    for i, (pool, cache, buf) in enumerate(zip(host_pools, caches, staging, strict=True)):
-        check_array(f"host_pools[{i}]", pool, ndim=3)
+    for i, (cache, buf) in enumerate(zip(caches, staging, strict=True)):
+        pool = host_pools[i // pack]
+        check_array(f"host_pools[{i // pack}]", pool, ndim=3)
         check_array(f"caches[{i}]", cache, ndim=3)
         check_array(f"staging[{i}]", buf, ndim=2)
-        check_host_pool(f"host_pools[{i}]", pool)
+        check_host_pool(f"host_pools[{i // pack}]", pool)
         check_device_array(f"caches[{i}]", cache)
         check_device_array(f"staging[{i}]", buf)
-        for name, x in ((f"host_pools[{i}]", pool), (f"caches[{i}]", cache)):
+        for name, x in ((f"host_pools[{i // pack}]", pool), (f"caches[{i}]", cache)):
             if x.shape[1] != block_size:
                 raise ValueError(f"{name} must be [blocks, block_size={block_size}, W], got "
                                  f"shape {tuple(x.shape)}")
@@ -344,14 +380,16 @@ def validate_stage_prefill(host_pools, caches, staging, positions, source_blocks
         if width < 1:
             raise ValueError(f"staging[{i}] rows must be at least 1 wide, got shape "
                              f"{tuple(buf.shape)}")
-        for name, x in ((f"host_pools[{i}]", pool), (f"caches[{i}]", cache)):
-            if x.shape[2] != width:
+        for name, x, want in ((f"host_pools[{i // pack}]", pool, pack * width),
+                              (f"caches[{i}]", cache, width)):
+            if x.shape[2] != want:
                 raise ValueError(f"row_width mismatch: {name} rows are {x.shape[2]} wide, "
-                                 f"staging[{i}] rows {width}")
+                                 f"staging[{i}] rows {width} (a pool array holding {pack} "
+                                 f"layers: rows {want} wide)")
             if x.dtype != buf.dtype:
                 raise TypeError(f"{name} dtype {x.dtype} must equal staging[{i}] dtype "
                                 f"{buf.dtype}")
-        for name, x, first in ((f"host_pools[{i}]", pool, host_pools[0]),
+        for name, x, first in ((f"host_pools[{i // pack}]", pool, host_pools[0]),
                                (f"caches[{i}]", cache, caches[0])):
             if x.shape[0] != first.shape[0]:
                 raise ValueError(f"{name} has {x.shape[0]} blocks but layer 0 has "

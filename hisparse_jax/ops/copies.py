@@ -2,10 +2,17 @@
 layer of an index group), `mirror_rows` (device -> host; `mirror_rows_group`: every layer in
 one call) and `restore_rows` (host -> device, the host tier's page restores).
 
-The pool lives in pinned_host memory: [host_rows, W] or [host_blocks, B, W]; the caches are
-[num_blocks, B, W] on the device, of the pool's dtype. Rows are copied as opaque elements of
-any dtype and width: bf16 rows are W = 576 bf16, fp8_ds_mla rows W = 656 uint8
-(`pallas_kernels/kv_format.py`), moved by the Triton kernel as 512 + 128 + 16-byte pieces.
+The pool lives in pinned_host memory: [host_rows, W] or [host_blocks, B, W] per layer; the
+caches are [num_blocks, B, W] on the device, of the pool's dtype. A packed pool keeps G layers
+side by side in one array ([host_blocks, B, G * W]: layer l's row r is columns (l % G) * W on
+of row r), so that a gather of one row list reads each selected row's bytes for all G layers
+in one span (a random pinned-host row costs a fixed overhead: wider rows move more bytes per
+second; `bench/NOTES-data_plane.md`). The group ops take either layout (`host_pools`: one
+array per layer, or one per G layers); the one-layer ops read a packed array as its flat
+W-wide rows (layer l's row r is flat row r * G + l % G: `HostPool.layer_rows`). Rows are
+copied as opaque elements of any dtype and width: bf16 rows are W = 576 bf16, fp8_ds_mla
+rows W = 656 uint8 (`pallas_kernels/kv_format.py`), moved by the Triton kernel as 512 + 128 +
+16-byte pieces.
 Outside a jit, `gather_compact`, `gather_compact_group` and `restore_rows` donate the caches
 and `mirror_rows` the pool (inside a user's jit, donate at that jit's boundary). `backend=`
 picks the implementation through `hisparse_jax.ops._registry` (None: the Triton kernel on a
@@ -40,7 +47,8 @@ def gather_compact(
 ) -> jax.Array:
     """Copies the misses of a swap plan from the pinned host pool into the device cache.
 
-    host_pool: [host_rows, W] (or [host_blocks, B, W]) in pinned_host memory.
+    host_pool: [host_rows, W] (or [host_blocks, B, W]) in pinned_host memory; a pool of
+      G * W-wide rows (packed) is read as its flat W-wide rows (host_rows counts those).
     kv_cache: [num_blocks, B, W] on the device; donated, returned updated.
     swap_src, swap_dst: int32[N, K]; swap_counts: int32[N] (a `Resolution`'s plan).
     For each n and m < swap_counts[n]: device row swap_dst[n, m] := host row swap_src[n, m]
@@ -59,9 +67,11 @@ def _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, bac
     if fused:
         return tuple(_registry.implementation("gather_compact_group", backend)(
             host_pools, kv_caches, swap_src, swap_dst, swap_counts))
-    gather = _registry.implementation("gather_compact", backend)
-    return tuple(gather(pool, cache, swap_src, swap_dst, swap_counts)
-                 for pool, cache in zip(host_pools, kv_caches, strict=True))
+    gather = _registry.implementation("gather_compact_group", backend)
+    pack = len(kv_caches) // len(host_pools)
+    return tuple(cache for a, pool in enumerate(host_pools)
+                 for cache in gather((pool,), kv_caches[a * pack:(a + 1) * pack], swap_src,
+                                     swap_dst, swap_counts))
 
 
 def gather_compact_group(
@@ -80,11 +90,13 @@ def gather_compact_group(
     `resolve_residency` yields one swap plan that every layer applies to its own pool and
     cache.
 
-    host_pools[l]: [host_rows, W] or [host_blocks, B, W] in pinned_host memory.
+    host_pools: in pinned_host memory, one array per layer ([host_rows, W] or
+      [host_blocks, B, W]), or A arrays for the L = A * G layers, array a holding layers
+      aG..aG+G-1 side by side ([host_blocks, B, G * W], every one of them W wide).
     kv_caches[l]: [num_blocks, B, W] on the device; donated, returned updated (a tuple).
     swap_src, swap_dst: int32[N, K]; swap_counts: int32[N] (from the leader's resolve).
-    fused: with a kernel backend, ONE launch for all layers (else one launch per layer,
-      inside the same jit); the reference always runs layer by layer.
+    fused: with a kernel backend, ONE launch for all layers (else one launch per pool
+      array, inside the same jit); the reference always runs array by array.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
@@ -137,8 +149,18 @@ def mirror_rows(
 
 def _mirror_group_body(kv_caches, host_pools, device_rows, host_rows, *, backend):
     mirror = _registry.implementation("mirror_rows", backend)
-    return tuple(mirror(kv, pool, device_rows, host_rows)
-                 for kv, pool in zip(kv_caches, host_pools, strict=True))
+    pools = list(host_pools)
+    pack = len(kv_caches) // len(pools)
+    for i, kv in enumerate(kv_caches):
+        rows = host_rows if pack == 1 else _packed_rows(host_rows, pack, i % pack)
+        pools[i // pack] = mirror(kv, pools[i // pack], device_rows, rows)
+    return tuple(pools)
+
+
+def _packed_rows(rows: jax.Array, pack: int, slot: int) -> jax.Array:
+    """Row ids of a layer's rows in a packed pool's flat W-wide rows: r * pack + slot where
+    r >= 0, else r (negative ids stay skipped; ids past the pool stay past it)."""
+    return jnp.where(rows >= 0, rows * pack + slot, rows)
 
 
 @functools.cache
@@ -161,18 +183,16 @@ def mirror_rows_group(
     """`mirror_rows` of one row list into every layer's pool, as ONE jitted call (one
     dispatch per spill plan instead of one per layer).
 
-    kv_caches[l]: [num_blocks, B, W] on the device. host_pools[l]: layer l's pool (as
-    `mirror_rows`), donated; returned updated (a tuple, same memory kinds). device_rows,
-    host_rows: int32[R], as `mirror_rows`, the same for every layer.
+    kv_caches[l]: [num_blocks, B, W] on the device. host_pools: one array per layer (as
+    `mirror_rows`), or one per G layers side by side (as `gather_compact_group`); donated,
+    returned updated (a tuple, same memory kinds). device_rows, host_rows: int32[R], as
+    `mirror_rows` (host rows of the pool's [host_blocks * B] rows, whatever its packing), the
+    same for every layer.
     """
     kv_caches, host_pools = tuple(kv_caches), tuple(host_pools)
-    if len(kv_caches) != len(host_pools):
-        raise ValueError(f"mirror_rows_group: kv_caches has {len(kv_caches)} layers, "
-                         f"host_pools {len(host_pools)}; they must have one each per layer")
-    if not kv_caches:
+    if not kv_caches and not host_pools:
         return ()
-    for pool, kv in zip(host_pools, kv_caches, strict=True):
-        _checks.validate_pool_and_cache(pool, kv)
+    _checks.validate_group(host_pools, kv_caches)
     _checks.check_same_length("device_rows", device_rows, "host_rows", host_rows)
     backend = _registry.select("mirror_rows", backend, kv_caches[0], host_pools[0],
                                device_rows, host_rows)

@@ -1,4 +1,5 @@
-"""`HostPool`: the pinned host KV pool, one `[num_blocks, B, W]` array per sparse layer.
+"""`HostPool`: the pinned host KV pool, one `[num_blocks, B, W]` array per sparse layer, or one
+`[num_blocks, B, G * W]` array per G layers kept side by side (packed).
 
 The arrays live in `pinned_host` memory (copies from pageable memory to the device are much
 slower). Host block 0 is the null block: it is allocated like the others but never handed out by
@@ -137,7 +138,13 @@ def check_available_ram(pool_bytes: int, *, available: int | None = None,
 
 
 class HostPool:
-    """Pinned host KV arrays, one `[num_blocks, block_size, row_width]` array per layer.
+    """Pinned host KV arrays, one `[num_blocks, block_size, row_width]` array per layer, or
+    (`layers_per_array` G > 1) one `[num_blocks, block_size, G * row_width]` array per G
+    consecutive layers: layer l's row r is columns `(l % G) * row_width` on of row r of array
+    `l // G`. Packing the layers that share a swap plan (an index group) makes every row a
+    gather reads G times wider, and a random pinned-host row costs a fixed overhead beside
+    its bytes (`docs/host_pool.md`). The one-layer copies address a packed array by its flat
+    `row_width`-wide rows: `layer_rows`.
 
     A row is opaque here: `row_width` elements of `dtype` as the device caches store them
     (e.g. 576 bfloat16 values, or 656 uint8 bytes of an fp8 row format).
@@ -151,7 +158,7 @@ class HostPool:
     so the memory is released at a known point; a closed pool refuses further use.
 
     Args:
-      num_layers: sparse layers, one array each.
+      num_layers: sparse layers.
       block_size: B, rows per block.
       row_width: W, elements per row.
       dtype: element type.
@@ -160,12 +167,21 @@ class HostPool:
       device: the device whose pinned host memory holds the pool (default: first device);
         a tuple of devices: one copy per device (a mesh shard's devices).
       memory_kind: "pinned_host" (default); "unpinned_host" or "device" only for experiments.
+      layers_per_array: G, consecutive layers kept side by side in one array (dividing
+        num_layers); 1 (default): one array per layer.
     """
 
     def __init__(self, *, num_layers: int, block_size: int, row_width: int, dtype: Any,
                  host_pool_gib: float | None = None, num_blocks: int | None = None,
-                 device: jax.Device | None = None, memory_kind: str = "pinned_host") -> None:
+                 device: jax.Device | None = None, memory_kind: str = "pinned_host",
+                 layers_per_array: int = 1) -> None:
         self.num_layers = check_int("HostPool", "num_layers", num_layers)
+        self.layers_per_array = check_int("HostPool", "layers_per_array", layers_per_array)
+        if self.num_layers % self.layers_per_array:
+            raise ValueError(
+                f"HostPool.layers_per_array={layers_per_array} must divide "
+                f"num_layers={num_layers} (each array holds that many whole layers)")
+        self.num_arrays = self.num_layers // self.layers_per_array
         self.block_size = check_int("HostPool", "block_size", block_size)
         self.row_width = check_int("HostPool", "row_width", row_width)
         self.dtype = np.dtype(dtype)
@@ -201,10 +217,10 @@ class HostPool:
                 f"HostPool.memory_kind={memory_kind!r} is not a memory of {device} "
                 f"(it has {kinds})")
         self.sharding = memory_sharding(device, memory_kind)
-        self.shape = (num_blocks, block_size, row_width)
+        self.shape = (num_blocks, block_size, self.layers_per_array * row_width)
         self._arrays: list[jax.Array] | None = []
         try:
-            for _ in range(num_layers):
+            for _ in range(self.num_arrays):
                 # np.zeros maps untouched zero pages, so the staging copy costs no RAM of its own.
                 self._arrays.append(
                     jax.device_put(np.zeros(self.shape, self.dtype), self.sharding))
@@ -214,8 +230,8 @@ class HostPool:
 
     @classmethod
     def from_config(cls, config: Any, *, num_layers: int, device: jax.Device | None = None,
-                    host_pool_gib: float | None = None,
-                    memory_kind: str = "pinned_host") -> HostPool:
+                    host_pool_gib: float | None = None, memory_kind: str = "pinned_host",
+                    layers_per_array: int = 1) -> HostPool:
         """A pool sized by a sizes object (e.g. `hisparse_jax.HiSparseConfig`).
 
         Reads `config.block_size`; the stored row: `config.storage_width` and
@@ -239,7 +255,7 @@ class HostPool:
         return cls(num_layers=num_layers, block_size=sizes["block_size"],
                    row_width=sizes[width], dtype=sizes[dtype],
                    host_pool_gib=host_pool_gib, num_blocks=num_blocks, device=device,
-                   memory_kind=memory_kind)
+                   memory_kind=memory_kind, layers_per_array=layers_per_array)
 
     # ------------------------------------------------------------------ access
 
@@ -249,15 +265,36 @@ class HostPool:
 
     @property
     def arrays(self) -> tuple[jax.Array, ...]:
+        """The pool's arrays: one per layer, or one per `layers_per_array` layers."""
         return tuple(self._live())
 
     def layer(self, index: int) -> jax.Array:
-        arrays = self._live()
-        if not 0 <= index < len(arrays):
-            raise ValueError(f"layer index must be in [0, {len(arrays)}), got {index}")
-        return arrays[index]
+        """The array holding layer `index` (its own, or the packed one it shares)."""
+        return self._live()[self.array_index(index)]
+
+    def array_index(self, layer: int) -> int:
+        """The index in `arrays` of the array holding `layer`."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer index must be in [0, {self.num_layers}), got {layer}")
+        return layer // self.layers_per_array
+
+    def layer_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """Host rows (flat `block * B + offset`; negative: none) of `layer` as row ids of its
+        array's flat `row_width`-wide rows, the ids the one-layer copies take: `r * G + slot`
+        (`rows` itself when G is 1; negative ids stay as they are)."""
+        self.array_index(layer)
+        rows = np.asarray(rows)
+        g = self.layers_per_array
+        if g == 1:
+            return rows
+        return np.where(rows >= 0, rows * g + layer % g, rows).astype(rows.dtype)
 
     def replace_layer(self, index: int, array: jax.Array) -> None:
+        """Installs the array an in-place copy of layer `index` returned (the previous array
+        holding that layer was donated): `replace_array(array_index(index), array)`."""
+        self.replace_array(self.array_index(index), array)
+
+    def replace_array(self, index: int, array: jax.Array) -> None:
         """Installs the array an in-place copy returned (the previous one was donated).
 
         Raises:
@@ -265,7 +302,7 @@ class HostPool:
         """
         arrays = self._live()
         if not 0 <= index < len(arrays):
-            raise ValueError(f"layer index must be in [0, {len(arrays)}), got {index}")
+            raise ValueError(f"array index must be in [0, {len(arrays)}), got {index}")
         if tuple(array.shape) != self.shape or np.dtype(array.dtype) != self.dtype:
             raise ValueError(
                 f"replace_layer needs a {self.dtype}{list(self.shape)} array, got "
@@ -286,8 +323,8 @@ class HostPool:
         total = self.num_blocks * self.block_size
         if rows.size and (rows.min() < 0 or rows.max() >= total):
             raise ValueError(f"rows must be in [0, {total}), got {rows.min()}..{rows.max()}")
-        flat = np.array(self.layer(layer), copy=True).reshape(total, self.row_width)
-        return flat[rows]
+        flat = np.array(self.layer(layer), copy=True).reshape(-1, self.row_width)
+        return flat[self.layer_rows(layer, rows)]
 
     # ------------------------------------------------------------------ lifetime
 
@@ -312,8 +349,10 @@ class HostPool:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.nbytes / _GIB:.3f} GiB"
+        packed = (f", {self.layers_per_array} layers per array"
+                  if self.layers_per_array > 1 else "")
         return (f"HostPool(layers={self.num_layers}, blocks={self.num_blocks}, "
-                f"B={self.block_size}, W={self.row_width}, {self.dtype}, {state})")
+                f"B={self.block_size}, W={self.row_width}, {self.dtype}{packed}, {state})")
 
     def _live(self) -> list[jax.Array]:
         if self._arrays is None:

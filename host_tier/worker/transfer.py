@@ -6,14 +6,17 @@ turns plan entries into row lists and calls the data-plane copy functions it was
   - `mirror_fn(kv_cache, host_pool, device_rows, host_rows) -> host_pool`: host row
     `host_rows[i]` := device row `device_rows[i]` (flat rows of `[blocks, B, W]`; the row lists
     are int32[R], R a power of two >= 64, padded with -1), skipping negative or out-of-range
-    entries; `host_pool` is donated and the result stays in `pinned_host` memory (the data
-    plane's `hisparse_jax.ops.mirror_rows`);
+    entries; `host_pool` is the array holding the layer and, in a packed pool, `host_rows` are
+    row ids of its flat W-wide rows (`HostPool.layer_rows`); `host_pool` is donated and the
+    result stays in `pinned_host` memory (the data plane's `hisparse_jax.ops.mirror_rows`);
   - `restore_fn(host_pool, kv_cache, host_rows, device_rows) -> kv_cache`: device row
-    `device_rows[i]` := host row `host_rows[i]`, same row lists and skipping rules, `kv_cache`
-    donated (the data plane's `hisparse_jax.ops.restore_rows`). Only partial prefix hits need it.
+    `device_rows[i]` := host row `host_rows[i]`, same row lists, skipping rules and (packed)
+    row ids, `kv_cache` donated (the data plane's `hisparse_jax.ops.restore_rows`). Only
+    partial prefix hits need it.
   - optionally `mirror_group_fn(kv_caches, host_pools, device_rows, host_rows) -> host_pools`:
     `mirror_fn` of one row list into every layer at once, one call (the data plane's
     `hisparse_jax.ops.mirror_rows_group`): a spill plan costs one dispatch, not one per layer.
+    It gets the pool's arrays (`HostPool.arrays`: per layer, or packed) and the plain host rows.
 
 The caller passes these functions in: this module never imports the data plane. For CPU tests,
 `host_tier/testing.py` has jnp references of both.
@@ -136,11 +139,11 @@ class TransferEngine:
             hosts = [r.host_block for r in plan.restores]
             devices = [r.device_block for r in plan.restores]
             counts = [r.num_rows for r in plan.restores]
-            host_rows = self._put(_page_rows(hosts, counts, self.block_size))
+            host_rows = self._layer_rows(_page_rows(hosts, counts, self.block_size))
             device_rows = self._put(_page_rows(devices, counts, self.block_size))
             for layer, kv in enumerate(kv_caches):
-                out[layer] = self.restore_fn(self.host_pool.layer(layer), kv, host_rows,
-                                             device_rows)
+                out[layer] = self.restore_fn(self.host_pool.layer(layer), kv,
+                                             host_rows[layer], device_rows)
         except Exception as error:
             if layer is not None and _deleted(kv_caches[layer]):
                 raise TransferLostError(
@@ -172,19 +175,19 @@ class TransferEngine:
         try:
             B = self.block_size
             counts = [B] * len(plan.spills)
-            device_rows, host_rows = self._put(
-                (_page_rows([s.device_block for s in plan.spills], counts, B),
-                 _page_rows([s.host_block for s in plan.spills], counts, B)))
+            rows = _page_rows([s.host_block for s in plan.spills], counts, B)
+            device_rows = self._put(_page_rows([s.device_block for s in plan.spills], counts, B))
             if self.mirror_group_fn is not None:
                 layer = 0
                 pools = self.mirror_group_fn(kv_caches, self.host_pool.arrays, device_rows,
-                                             host_rows)
+                                             self._put(rows))
                 for i, pool in enumerate(pools):
-                    self.host_pool.replace_layer(i, pool)
+                    self.host_pool.replace_array(i, pool)
             else:
+                host_rows = self._layer_rows(rows)
                 for layer, kv in enumerate(kv_caches):
                     pool = self.mirror_fn(kv, self.host_pool.layer(layer), device_rows,
-                                          host_rows)
+                                          host_rows[layer])
                     self.host_pool.replace_layer(layer, pool)
         except Exception as error:
             lost = ([] if layer is None else
@@ -235,6 +238,14 @@ class TransferEngine:
                 f"kv_caches must hold one cache per host pool layer "
                 f"({self.host_pool.num_layers}), got {len(kv_caches)}")
         return kv_caches
+
+    def _layer_rows(self, rows: np.ndarray) -> list[jax.Array]:
+        """Each layer's row ids of host rows `rows` in its array (`HostPool.layer_rows`), on
+        the copies' device: one transfer for all of them (the same array for every layer of
+        an unpacked pool)."""
+        pool = self.host_pool
+        slots = self._put(tuple(pool.layer_rows(s, rows) for s in range(pool.layers_per_array)))
+        return [slots[layer % pool.layers_per_array] for layer in range(pool.num_layers)]
 
     def _put(self, rows: Any) -> Any:
         """Row lists (an array or a tuple of them: one transfer call) to the copies' device."""

@@ -18,7 +18,8 @@ def mirror_rows(kv_cache: jax.Array, host_pool: jax.Array, device_rows: jax.Arra
 
     Args:
       kv_cache: [num_blocks, B, W] (read only).
-      host_pool: [host_rows, W] or [host_blocks, B, W], any memory kind (kept).
+      host_pool: [host_rows, W] or [host_blocks, B, W], any memory kind (kept); a pool of
+        wider rows ([.., G * W], packed) takes flat W-wide row ids (as `reshape(-1, W)`).
       device_rows, host_rows: int32[R].
     Returns:
       the updated pool, shape and memory kind of `host_pool`. Entries with either index

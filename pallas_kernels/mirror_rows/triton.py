@@ -26,7 +26,7 @@ def supports(*args: Any, **kwargs: Any) -> str | None:
 
 
 def _mirror_kernel(dev_ref, host_ref, cache_ref, _pool_in, pool_ref, *, total, rows, pieces,
-                   cache_rows, pool_rows, cache_block, pool_block):
+                   cache_rows, pool_rows, cache_block, pool_block, pool_pack):
     e = pl.program_id(0) * rows + jnp.arange(rows, dtype=jnp.int32)
     flat = jnp.minimum(e, total - 1)
     d = dev_ref[flat]
@@ -35,7 +35,7 @@ def _mirror_kernel(dev_ref, host_ref, cache_ref, _pool_in, pool_ref, *, total, r
     _triton.copy_rows(cache_ref, jnp.where(keep, d, cache_rows),
                       pool_ref, jnp.where(keep, h, pool_rows),
                       load_mask=keep, store_mask=keep, pieces=pieces,
-                      src_block=cache_block, dst_block=pool_block)
+                      src_block=cache_block, dst_block=pool_block, dst_pack=pool_pack)
 
 
 def mirror_rows(kv_cache: jax.Array, host_pool: jax.Array, device_rows: jax.Array,
@@ -44,7 +44,8 @@ def mirror_rows(kv_cache: jax.Array, host_pool: jax.Array, device_rows: jax.Arra
     """host_pool row host_rows[i] := kv_cache row device_rows[i], in place.
 
     kv_cache: [num_blocks, B, W] on the device. host_pool: [host_rows, W] or
-    [host_blocks, B, W], written in place (aliased): the enclosing jit must donate it and,
+    [host_blocks, B, W] (or G * W wide, read as its flat W-wide rows: a packed pool),
+    written in place (aliased): the enclosing jit must donate it and,
     for a pinned_host pool on the GPU, name it pinned_host in `out_shardings` (XLA refuses
     a host-memory kernel output otherwise). device_rows, host_rows: int32[R]. Contract of
     `reference.mirror_rows`, exactly.
@@ -62,7 +63,8 @@ def mirror_rows(kv_cache: jax.Array, host_pool: jax.Array, device_rows: jax.Arra
     kernel = functools.partial(
         _mirror_kernel, total=total, rows=rows,
         pieces=_triton.row_pieces(width, tuning.max_piece), cache_rows=num_blocks * cache_block,
-        pool_rows=pool_rows, cache_block=cache_block, pool_block=_triton.block_of(host_pool.shape))
+        pool_rows=pool_rows, cache_block=cache_block, pool_block=_triton.block_of(host_pool.shape),
+        pool_pack=host_pool.shape[-1] // width)
 
     (out,) = _triton.call_in_place(
         kernel, (device_rows, host_rows, kv_cache), (host_pool,),

@@ -75,7 +75,9 @@ def stage_prefill_rows(host_pools: Sequence[jax.Array], caches: Sequence[jax.Arr
     tables) are left exactly as passed in. The rules: `staging_plan`.
 
     Args:
-      host_pools: L arrays [host_blocks, B, W_l] (any memory kind; read only).
+      host_pools: L arrays [host_blocks, B, W_l] (any memory kind; read only), or A arrays
+        [host_blocks, B, G * W] for the L = A * G layers, each holding G layers side by side
+        (a packed pool: layer l is columns (l % G) * W on of array l // G).
       caches: L arrays [num_blocks, B, W_l] on the device, the pools' dtypes.
       staging: L arrays [M, W_l], the caches' dtypes.
       positions: int32[M]; source_blocks, resident_blocks: int32[P]; block_size: B (static).
@@ -90,11 +92,14 @@ def stage_prefill_rows(host_pools: Sequence[jax.Array], caches: Sequence[jax.Arr
         positions, source_blocks, resident_blocks, block_size=block_size,
         host_blocks=host_pools[0].shape[0], num_blocks=caches[0].shape[0])
     from_device, from_host = (device_rows >= 0)[:, None], (host_rows >= 0)[:, None]
+    pack = len(staging) // len(host_pools)
+    # Each pool array's selected rows are read once (all its layers side by side).
+    host = [_gather_rows(pool, host_rows, pool.shape[-1]) for pool in host_pools]
     out = []
-    for pool, cache, buf in zip(host_pools, caches, staging, strict=True):
-        width = buf.shape[-1]
+    for i, (cache, buf) in enumerate(zip(caches, staging, strict=True)):
+        width, slot = buf.shape[-1], i % pack
         rows = jnp.where(from_device, _gather_rows(cache, device_rows, width).astype(buf.dtype),
                          buf)
-        out.append(jnp.where(from_host, _gather_rows(pool, host_rows, width).astype(buf.dtype),
-                             rows))
+        picked = host[i // pack][:, slot * width:(slot + 1) * width]
+        out.append(jnp.where(from_host, picked.astype(buf.dtype), rows))
     return tuple(out), count_rows(device_rows), count_rows(host_rows)

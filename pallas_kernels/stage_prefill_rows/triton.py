@@ -33,11 +33,14 @@ def supports(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
-def _stage_kernel(device_ref, host_ref, *refs, layers, total, rows, pieces, host_rows,
+def _stage_kernel(device_ref, host_ref, *refs, layers, pack, total, rows, pieces, host_rows,
                   cache_rows, block):
     """One program: staging rows [j * rows, (j + 1) * rows) of one layer (grid axis 0 when
-    there are several layers)."""
-    pools, caches, staging = refs[:layers], refs[layers:2 * layers], refs[3 * layers:]
+    there are several layers). Layer i reads pool array i // pack, whose rows hold `pack`
+    layers side by side (1: one array per layer)."""
+    arrays = layers // pack
+    pools = refs[:arrays]
+    caches, staging = refs[arrays:arrays + layers], refs[arrays + 2 * layers:]
     if layers > 1:
         layer, j = pl.program_id(0), pl.program_id(1)
     else:
@@ -57,10 +60,11 @@ def _stage_kernel(device_ref, host_ref, *refs, layers, total, rows, pieces, host
                                   store_mask=from_device, pieces=pieces[i], src_block=block,
                                   dst_block=1)
             if host_rows:
-                _triton.copy_rows(pools[i], jnp.where(from_host, h, host_rows), staging[i],
-                                  jnp.where(from_host, m, total), load_mask=from_host,
-                                  store_mask=from_host, pieces=pieces[i], src_block=block,
-                                  dst_block=1)
+                _triton.copy_rows(pools[i // pack],
+                                  jnp.where(from_host, h * pack + i % pack, host_rows * pack),
+                                  staging[i], jnp.where(from_host, m, total),
+                                  load_mask=from_host, store_mask=from_host, pieces=pieces[i],
+                                  src_block=block, dst_block=1, src_pack=pack)
         if layers == 1:
             copy()
         else:
@@ -84,7 +88,8 @@ def stage_prefill_rows(host_pools: Sequence[jax.Array], caches: Sequence[jax.Arr
     its host row (host_pools[l]), for every layer in ONE launch; rows with neither are left
     as passed in. Contract of `reference.stage_prefill_rows`, exactly.
 
-    host_pools[l]: [host_blocks, B, W_l], read in place (pinned_host on the GPU).
+    host_pools: per layer [host_blocks, B, W_l], or A arrays [host_blocks, B, G * W] each
+    holding G = L / A layers side by side (packed), read in place (pinned_host on the GPU).
     caches[l]: [num_blocks, B, W_l]. staging[l]: [M, W_l], written in place. Returns (the
     updated staging buffers, rows from the device, rows from the host).
     """
@@ -108,7 +113,7 @@ def stage_prefill_rows(host_pools: Sequence[jax.Array], caches: Sequence[jax.Arr
     host_pools = tuple(map(_nonempty, host_pools))
     caches = tuple(map(_nonempty, caches))
     kernel = functools.partial(
-        _stage_kernel, layers=layers, total=total, rows=rows,
+        _stage_kernel, layers=layers, pack=layers // len(host_pools), total=total, rows=rows,
         pieces=tuple(_triton.row_pieces(w, tuning.max_piece) for w in widths),
         host_rows=host_blocks * block_size, cache_rows=num_blocks * block_size,
         block=block_size)

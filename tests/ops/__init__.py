@@ -51,6 +51,13 @@ def bits(x) -> np.ndarray:
     return x.view(np.uint16) if x.dtype == jnp.bfloat16 else x
 
 
+def pack_layers(pools, per_array: int) -> list[np.ndarray]:
+    """Per-layer numpy pools [.., W] as packed arrays: each `per_array` consecutive layers
+    side by side [.., per_array * W] (the `HostPool(layers_per_array=...)` layout)."""
+    return [np.concatenate(pools[a:a + per_array], axis=-1)
+            for a in range(0, len(pools), per_array)]
+
+
 def random_rows(rng, shape, dtype=jnp.bfloat16):
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 

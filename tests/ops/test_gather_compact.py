@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hisparse_jax as hs
-from hisparse_jax.ops import gather_compact_group
+from hisparse_jax.ops import gather_compact_group, restore_rows
 from pallas_kernels import kv_format as kvf
 from pallas_kernels._triton import CopyTuning, row_pieces
 from pallas_kernels.gather_compact import reference
@@ -23,6 +23,7 @@ from tests.ops import (
     bits,
     examples,
     lower_for_cuda,
+    pack_layers,
     random_bytes,
     random_rows,
     sds,
@@ -190,20 +191,56 @@ def test_restore_rows_is_one_packed_batch_row(backend, row, pinned_host):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "per_layer"])
-def test_group_replays_plan_on_every_layer(backend, fused):
-    rng = np.random.default_rng(11)
-    n, k, block, width, num_blocks, host_rows, layers = 2, 8, 4, 576, 8, 48, 3
+@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "per_array"])
+@settings(max_examples=examples(0.3), deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), layout=st.sampled_from([(3, 1), (2, 2), (4, 2), (3, 3)]),
+       paged=st.booleans(), width=st.sampled_from([40, 576]))
+def test_group_replays_plan_on_every_layer(backend, fused, seed, layout, paged, width):
+    """One plan into every layer, from one pool array per layer or a packed pool (G layers
+    side by side per array): each layer gets exactly what its own pool gives, for random
+    plans (sources past the pool, -1, destinations outside the cache, entries past the
+    counts) into random caches."""
+    layers, per_array = layout
+    rng = np.random.default_rng(seed)
+    n, k, block, num_blocks, host_rows = 3, 16, 4, 10, 48
     pools = [random_rows(rng, (host_rows, width)) for _ in range(layers)]
     caches = [random_rows(rng, (num_blocks, block, width)) for _ in range(layers)]
     src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
-    got = gather_compact_group([to_host(p) for p in pools], [jnp.asarray(c) for c in caches],
+    packed = pack_layers(pools, per_array)
+    if paged:
+        packed = [p.reshape(host_rows // block, block, -1) for p in packed]
+    got = gather_compact_group([to_host(p) for p in packed], [jnp.asarray(c) for c in caches],
                                jnp.asarray(src), jnp.asarray(dst), jnp.asarray(counts),
                                backend=backend, fused=fused)
     assert len(got) == layers
     for pool, cache, out in zip(pools, caches, got, strict=True):
         np.testing.assert_array_equal(bits(out),
                                       bits(oracle_gather(pool, cache, src, dst, counts)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_layer_copies_read_a_packed_pool_by_flat_rows(backend):
+    """gather_compact and restore_rows on a packed array take its flat W-wide row ids
+    (layer l's row r: r * G + l % G), the ids `HostPool.layer_rows` makes."""
+    rng = np.random.default_rng(3)
+    per_array, block, width, host_rows, num_blocks = 3, 4, 24, 32, 6
+    pools = [random_rows(rng, (host_rows, width)) for _ in range(per_array)]
+    (packed,) = pack_layers(pools, per_array)
+    cache = random_rows(rng, (num_blocks, block, width))
+    src, dst, counts = swap_plan(rng, 2, 12, host_rows, num_blocks * block)
+    for slot, pool in enumerate(pools):
+        flat = np.where(src >= 0, src * per_array + slot, src).astype(np.int32)
+        got = hs.gather_compact(to_host(packed), jnp.asarray(cache), jnp.asarray(flat),
+                                jnp.asarray(dst), jnp.asarray(counts), backend=backend)
+        np.testing.assert_array_equal(bits(got),
+                                      bits(oracle_gather(pool, cache, src, dst, counts)))
+    rows = rng.permutation(host_rows)[:10].astype(np.int32)
+    dev = rng.permutation(num_blocks * block)[:10].astype(np.int32)
+    got = restore_rows(to_host(packed), jnp.asarray(cache), jnp.asarray(rows * 3 + 2),
+                          jnp.asarray(dev), backend=backend)
+    want = cache.copy().reshape(-1, width)
+    want[dev] = pools[2][rows]
+    np.testing.assert_array_equal(bits(got), bits(want.reshape(cache.shape)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -248,9 +285,9 @@ def test_validation_errors(pinned_host, on_device):
     unpinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="unpinned_host")
     with pytest.raises(ValueError, match="memory_kind='unpinned_host'"):
         hs.gather_compact(jax.device_put(np.zeros((8, W), np.float32), unpinned), cache, *plan)
-    with pytest.raises(ValueError, match="row_width mismatch"):
-        hs.gather_compact(jax.device_put(np.zeros((8, 8), np.float32), pinned_host), cache,
-                          *plan)
+    with pytest.raises(ValueError, match="row_width mismatch.*or a multiple of it"):
+        hs.gather_compact(jax.device_put(np.zeros((8, W + 8), np.float32), pinned_host),
+                          cache, *plan)
     with pytest.raises(TypeError, match="host_pool dtype"):
         hs.gather_compact(jax.device_put(np.zeros((8, W), np.float16), pinned_host), cache,
                           *plan)
@@ -258,11 +295,17 @@ def test_validation_errors(pinned_host, on_device):
         hs.gather_compact(pool, cache, plan[0].astype(jnp.float32), *plan[1:])
     with pytest.raises(ValueError, match="swap_counts has 2 entries"):
         hs.gather_compact(pool, cache, *plan[:2], jnp.zeros((2,), jnp.int32))
-    with pytest.raises(ValueError, match="host_pools has 1 layers but kv_caches has 2"):
+    with pytest.raises(ValueError, match=r"host_pools\[0\] holds 2 layers side by side.*"
+                                          r"rows 16 wide"):
         gather_compact_group([pool], [cache, cache], *plan)
+    with pytest.raises(ValueError, match="host_pools has 2 arrays for the 3 layers"):
+        gather_compact_group([pool, pool], [cache] * 3, *plan)
     with pytest.raises(ValueError, match="layer 1: row_width mismatch"):
         gather_compact_group([pool, jax.device_put(np.zeros((8, 8), np.float32), pinned_host)],
                              [cache, cache], *plan)
+    with pytest.raises(ValueError, match="layer 1: row_width mismatch"):   # one per layer:
+        gather_compact_group([pool, jax.device_put(np.zeros((8, 2 * W), np.float32),
+                                                   pinned_host)], [cache, cache], *plan)
 
 
 def test_pinned_host_placement_on_this_device(pinned_host):
@@ -335,6 +378,10 @@ def test_kernel_lowers_to_triton(pool_shape, cache_shape, dtype):
     assert "output_operand_aliases" in text
     lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p, p), (c, c), s, d, n),
                    pool, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
+    packed = sds((*pool_shape[:-1], 2 * pool_shape[-1]), dtype)        # 2 layers side by side
+    lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p,), (c, c), s, d, n),
+                   packed, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
+    lower_for_cuda(tk.gather_compact, packed, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
 
 
 # --------------------------------------------------------------------------- GPU, real sizes
@@ -392,12 +439,14 @@ def test_gpu_copies_with_bf16_rows(backend, pinned_host):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", [1, 4])
-def test_gpu_step_shaped_plan_from_pinned_pool(layers):
+@pytest.mark.parametrize("layers, per_array", [(1, 1), (4, 1), (2, 2), (4, 2)],
+                         ids=["1-layer", "4-pools", "2-packed", "4-in-2-packed"])
+def test_gpu_step_shaped_plan_from_pinned_pool(layers, per_array):
     """A plan of a decode step's shape (256 batch rows of 2048, most rows with a few misses,
     some with none, one full) from a pinned pool of 131,072 rows, one launch for every
-    layer: exact against numpy on every layer."""
-    rng = np.random.default_rng(layers)
+    layer, one pool array per layer or packed (`per_array` layers side by side): exact
+    against numpy on every layer."""
+    rng = np.random.default_rng(layers + 10 * per_array)
     width, block, num_blocks, host_rows, n, k = 576, 64, 8192, 1 << 17, 256, 2048
     pools_np = [random_rows(rng, (host_rows, width)) for _ in range(layers)]
     cache_np = random_rows(rng, (num_blocks, block, width))
@@ -406,7 +455,7 @@ def test_gpu_step_shaped_plan_from_pinned_pool(layers):
     counts = rng.integers(0, 200, size=n).astype(np.int32)
     counts[rng.random(n) < 0.2] = 0
     counts[7] = k
-    got = tk.gather_compact_group([to_host(p) for p in pools_np],
+    got = tk.gather_compact_group([to_host(p) for p in pack_layers(pools_np, per_array)],
                                   [jnp.asarray(cache_np) for _ in pools_np],
                                   jnp.asarray(src), jnp.asarray(dst), jnp.asarray(counts))
     for out, pool in zip(got, pools_np, strict=True):

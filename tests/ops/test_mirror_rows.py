@@ -18,6 +18,7 @@ from tests.ops import (
     bits,
     examples,
     lower_for_cuda,
+    pack_layers,
     random_bytes,
     random_rows,
     sds,
@@ -109,6 +110,8 @@ def test_validation_errors(pinned_host):
 def test_kernel_lowers_to_triton(pool_shape, dtype):
     pool, cache = sds(pool_shape, dtype), sds((512, 64, pool_shape[-1]), dtype)
     lower_for_cuda(tk.mirror_rows, cache, pool, sds((3000,)), sds((3000,)))
+    packed = sds((*pool_shape[:-1], 3 * pool_shape[-1]), dtype)       # 3 layers side by side
+    lower_for_cuda(tk.mirror_rows, cache, packed, sds((3000,)), sds((3000,)))
 
 
 @pytest.mark.gpu
@@ -165,12 +168,46 @@ def test_group_equals_one_mirror_per_layer(backend, row, seed, layers):
         np.testing.assert_array_equal(bits(g).reshape(-1, width), bits(w))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(0.15))
+@given(seed=st.integers(0, 2**32 - 1), layout=st.sampled_from([(2, 2), (4, 2), (3, 3)]))
+def test_group_into_packed_pool(backend, seed, layout):
+    """`mirror_rows_group` into a packed pool (G layers side by side per array) writes each
+    layer's rows into its columns, and a one-layer `mirror_rows` with flat row ids
+    (r * G + slot) does the same for one layer; every other byte survives."""
+    layers, per_array = layout
+    rng = np.random.default_rng(seed)
+    pools, caches, device_rows, dest, want, width = _group_case(
+        rng, "bf16", layers, 4, 6, 10, 9)
+    packed = [np.concatenate(pools[a:a + per_array], axis=-1)
+              for a in range(0, layers, per_array)]
+    got = hs.mirror_rows_group([jnp.asarray(c) for c in caches], [to_host(p) for p in packed],
+                               jnp.asarray(device_rows), jnp.asarray(dest), backend=backend)
+    assert len(got) == layers // per_array
+    for a, g in enumerate(got):
+        assert g.sharding.memory_kind == "pinned_host"
+        wide = bits(g).reshape(-1, per_array * width)
+        for slot in range(per_array):
+            np.testing.assert_array_equal(wide[:, slot * width:(slot + 1) * width],
+                                          bits(want[a * per_array + slot]))
+    slot = per_array - 1
+    flat = np.where(dest >= 0, dest * per_array + slot, dest).astype(np.int32)
+    one = hs.mirror_rows(jnp.asarray(caches[slot]), to_host(packed[0]),
+                         jnp.asarray(device_rows), jnp.asarray(flat), backend=backend)
+    wide = bits(one).reshape(-1, per_array * width)
+    np.testing.assert_array_equal(wide[:, slot * width:], bits(want[slot]))
+    np.testing.assert_array_equal(wide[:, :slot * width],
+                                  bits(packed[0]).reshape(-1, per_array * width)[:, :slot * width])
+
+
 def test_group_validation(pinned_host):
     pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)
     cache = jnp.zeros((2, 4, W), jnp.float32)
     rows = jnp.zeros(1, jnp.int32)
-    with pytest.raises(ValueError, match="kv_caches has 2 layers, host_pools 1"):
+    with pytest.raises(ValueError, match=r"host_pools\[0\] holds 2 layers side by side"):
         hs.mirror_rows_group([cache, cache], [pool], rows, rows)
+    with pytest.raises(ValueError, match="host_pools has 2 arrays for the 3 layers"):
+        hs.mirror_rows_group([cache] * 3, [pool, pool], rows, rows)
     with pytest.raises(ValueError, match="same length"):
         hs.mirror_rows_group([cache], [pool], rows, jnp.zeros(2, jnp.int32))
     assert hs.mirror_rows_group([], [], rows, rows) == ()
@@ -178,15 +215,22 @@ def test_group_validation(pinned_host):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("row", list(ROWS))
-def test_gpu_group_mirror_into_pinned_pools_in_place(row):
-    """4,096 rows into two layers' pinned pools of 131,072 rows, default backend, one call."""
+@pytest.mark.parametrize("per_array", [1, 2], ids=["pool-per-layer", "packed"])
+def test_gpu_group_mirror_into_pinned_pools_in_place(row, per_array):
+    """4,096 rows into two layers' pinned pools of 131,072 rows (one array per layer, or
+    both side by side in one), default backend, one call."""
     rng = np.random.default_rng(3)
     pools, caches, device_rows, dest, want, width = _group_case(rng, row, 2, 64, 256, 2048,
                                                                 4096)
-    pools = [to_host(p) for p in pools]
+    pools = [to_host(p) for p in pack_layers(pools, per_array)]
     got = hs.mirror_rows_group([jnp.asarray(c) for c in caches], pools,
                                jnp.asarray(device_rows), jnp.asarray(dest))
     assert all(p.is_deleted() for p in pools), "the pools were not donated"
-    for g, w in zip(got, want, strict=True):
+    assert len(got) == 2 // per_array
+    for layer, w in enumerate(want):
+        g = got[layer // per_array]
         assert g.sharding.memory_kind == "pinned_host"
-        np.testing.assert_array_equal(bits(g).reshape(-1, width), bits(w))
+        slot = layer % per_array
+        np.testing.assert_array_equal(
+            bits(g).reshape(-1, per_array * width)[:, slot * width:(slot + 1) * width],
+            bits(w))

@@ -71,9 +71,10 @@ def assert_same(got, want):
 
 
 @st.composite
-def cases(draw):
-    """A random instance: sizes, per-layer widths, one dtype; contents from a seed."""
-    layers = draw(st.integers(1, 3))
+def cases(draw, layers=None, same_width=False):
+    """A random instance: sizes, per-layer widths (one for all: same_width), one dtype;
+    contents from a seed."""
+    layers = layers or draw(st.integers(1, 3))
     block = draw(st.sampled_from([1, 2, 3, 4, 8]))
     pages = draw(st.integers(0, 6))
     m = draw(st.integers(0, 24))
@@ -82,6 +83,8 @@ def cases(draw):
     dtype = draw(st.sampled_from(["float32", "bfloat16", "uint8"]))
     widths = draw(st.lists(st.sampled_from([1, 5, 16, 37, 100, 576, FP8_ROW]),
                            min_size=layers, max_size=layers))
+    if same_width:
+        widths = [widths[0]] * layers
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     pools = [rows_of(rng, (host_blocks, block, w), dtype) for w in widths]
     caches = [rows_of(rng, (num_blocks, block, w), dtype) for w in widths]
@@ -111,6 +114,19 @@ def test_matches_oracle(backend, case):
     assert_same(got, want)
     if backend != "reference":
         assert_same(got, run("reference", *case))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layers, per_array", [(2, 2), (4, 2), (3, 3)])
+@settings(max_examples=examples(0.3))
+@given(data=st.data())
+def test_packed_pool_equals_per_layer_pools(backend, layers, per_array, data):
+    """Pools packed G layers side by side per array stage exactly what one pool per layer
+    stages (the oracle's per-layer answer), counts included."""
+    pools, *rest = data.draw(cases(layers=layers, same_width=True))
+    packed = [np.concatenate(pools[a:a + per_array], axis=-1)
+              for a in range(0, layers, per_array)]
+    assert_same(run(backend, packed, *rest), oracle_stage_prefill(pools, *rest))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -219,6 +235,9 @@ def _bad(pinned_host, on_device, name):
     breaks = {
         "pools_not_a_sequence": lambda: a.update(host_pools=a["host_pools"][0]),
         "caches_count": lambda: a.update(caches=a["caches"][:1]),
+        "pools_count": lambda: a["host_pools"].append(a["host_pools"][0]),
+        "packed_width": lambda: a.update(host_pools=a["host_pools"][:1]),
+        "packed_dtype": lambda: a.update(host_pools=[put(np.zeros((5, 2, 16), np.float16))]),
         "no_layers": lambda: a.update(host_pools=[], caches=[], staging=[]),
         "block_size_float": lambda: a.update(block_size=2.0),
         "block_size_zero": lambda: a.update(block_size=0),
@@ -247,7 +266,11 @@ def _bad(pinned_host, on_device, name):
 
 VALIDATION = [
     ("pools_not_a_sequence", TypeError, "host_pools must be a sequence"),
-    ("caches_count", ValueError, "one array per layer, got 2, 1 and 2 layers"),
+    ("caches_count", ValueError, "one array per layer, got 1 and 2 layers"),
+    ("pools_count", ValueError, "host_pools has 3 arrays for the 2 layers of staging"),
+    ("packed_width", ValueError, r"host_pools\[0\] holds 2 layers side by side, so its rows "
+                                 r"must be 2 x the layers' common width; got rows 8 wide"),
+    ("packed_dtype", TypeError, r"host_pools\[0\] dtype float16 must equal staging\[0\]"),
     ("no_layers", ValueError, "at least one layer"),
     ("block_size_float", TypeError, "block_size must be a static Python int"),
     ("block_size_zero", ValueError, "block_size must be >= 1"),
@@ -337,9 +360,11 @@ def test_kernel_lowers_to_triton(width, dtype, layers):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("row", ["bf16", "fp8"])
-def test_gpu_stage_from_pinned_pool(row):
+@pytest.mark.parametrize("per_array", [1, 2], ids=["pool-per-layer", "packed"])
+def test_gpu_stage_from_pinned_pool(row, per_array):
     """16384 staging rows of 576 bf16 (or 656 random bytes), 2 layers, half the pages
-    resident, from pinned pools of 131,072 rows, default backend (triton), exact."""
+    resident, from pinned pools of 131,072 rows (one per layer, or both layers side by side
+    in one), default backend (triton), exact."""
     rng = np.random.default_rng(16)
     width, dtype = (576, "bfloat16") if row == "bf16" else (FP8_ROW, "uint8")
     block, m, layers, pages = 64, 16384, 2, 512
@@ -351,4 +376,6 @@ def test_gpu_stage_from_pinned_pool(row):
     resident = np.where(rng.random(pages) < 0.5,
                         rng.choice(np.arange(1, 1024), size=pages, replace=False), 0)
     case = (pools, caches, staging, positions, source, resident.astype(np.int32), block)
-    assert_same(run(None, *case), oracle_stage_prefill(*case))
+    packed = [np.concatenate(pools[a:a + per_array], axis=-1)
+              for a in range(0, layers, per_array)]
+    assert_same(run(None, packed, *case[1:]), oracle_stage_prefill(*case))

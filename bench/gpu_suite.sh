@@ -20,7 +20,8 @@
 #        64K tokens, 8 conversations, against all-resident with seat reuse), profile_compare
 #        (the async profile at 256 for .baseline/ and for this tree), e2e_repeat1_async (the
 #        three pairs at 1 request with asynchronous scheduling), ncu (Nsight Compute profiles
-#        of the attention, resolve and gather kernels: bench/ncu_kernels.py)
+#        of the attention, resolve and gather kernels: bench/ncu_kernels.py), attention_splits
+#        (the attention kernel's device time at N = 1-8 against its K split count)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -63,6 +64,7 @@ run_step() {  # name, time limit in s, command...
       # prefill the tokens differ on the GPU: bf16 GEMMs of other shapes round differently).
       decode_chunked) run_step decode_chunked 200 python3 examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 1024 --prefill-chunk-size 1024 --check --check-chunked ;;
       decode_fp8) run_step decode_fp8 150 python3 examples/decode.py --config dsv32-2l --kv-format fp8_ds_mla --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
+      attention_splits) run_step attention_splits 580 python3 -m bench.attention_splits --ns 1,2,4,8 ;;
       e2e_fp8) run_step e2e_fp8 "${E2E_FP8_LIMIT:-580}" python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident --concurrency 1,64,256 --turnover-sweep= --time-budget "${E2E_FP8_BUDGET:-480}" --no-plot ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
       e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;

@@ -39,7 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _compat
 
 ANY = pl.BlockSpec(memory_space=pl.ANY)
-TARGET_PROGRAMS = 2 * 132            # two waves of an H200's 132 SMs
+NUM_SMS = 132                        # an H200's streaming multiprocessors
+TARGET_PROGRAMS = 2 * NUM_SMS        # two waves
 
 
 def pow2_ceil(x: int) -> int:

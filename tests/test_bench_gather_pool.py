@@ -4,19 +4,14 @@ recorded against the first; bad arguments are refused by name."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.bench_runs import run_small
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HISPARSE_BENCH_SMALL="1", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "bench.gather_pool", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+def _run(*args: str):
+    return run_small("bench.gather_pool", *args)
 
 
 def test_every_case_is_recorded(tmp_path):

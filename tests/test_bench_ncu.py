@@ -4,19 +4,13 @@ name."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.bench_runs import run_small
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HISPARSE_BENCH_SMALL="1", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "bench.ncu_kernels", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+def _run(*args: str):
+    return run_small("bench.ncu_kernels", *args)
 
 
 @pytest.mark.parametrize("args", [("attention", "--n", "2", "--h", "16"),

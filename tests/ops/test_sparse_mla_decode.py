@@ -22,6 +22,7 @@ query test at K = 2048.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -644,6 +645,44 @@ def test_kernel_gpu_matches_float64(candidate, n, h, top_k):
     assert_close(out2, lse2, q2, kv2, rows2)
 
 
+def test_split_rule_fills_small_grids_and_divides_the_steps():
+    """The default K split count: about two waves of programs at >= 4 steps per split, but
+    one-step splits when 4-step ones leave the grid under a quarter of the SMs; always a
+    divisor of the steps; `num_splits` as given (down to a divisor)."""
+    rule, cfg = tk._attention_splits, tk.DEFAULT
+    assert rule(2, 32, cfg) == 32          # N=1, h_q=128, K=2048: 64 programs of 1 step
+    assert rule(1, 32, cfg) == 32          # N=1, h_q=16
+    assert rule(8, 32, cfg) == 8           # N=4, h_q=128: 64 programs of 4 steps already
+    assert rule(128, 32, cfg) == 2 and rule(512, 32, cfg) == 1
+    assert rule(2, 32, dataclasses.replace(cfg, num_splits=5)) == 4
+    for programs in (1, 2, 3, 5, 8, 33, 130, 264, 1000):
+        for steps in range(1, 70):
+            splits = rule(programs, steps, cfg)
+            assert 1 <= splits <= steps and steps % splits == 0, (programs, steps, splits)
+            if programs * max(1, steps // 4) >= 33:
+                assert steps // splits >= min(4, steps) or splits == 1, (programs, steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [16, 32])
+@pytest.mark.parametrize("n, h", [(1, 128), (1, 16), (4, 128)])
+def test_kernel_gpu_as_many_k_splits_as_steps(splits, n, h):
+    """Small batches with 16 or 32 K splits of K = 2048 (2 steps of 64 rows, or one: the
+    grids of `bench/attention_splits.py`) against float64, fresh inputs through the same
+    kernel, and the poisoned run (NaN / Inf in unselected rows change nothing)."""
+    cfg = dataclasses.replace(tk.DEFAULT, num_splits=splits)
+    q, kv, rows = make_inputs(300 + n * h + splits, n, h, 2048, 50_000,
+                              invalid_rows=(n - 1,) if n > 1 else ())
+    out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend="triton", config=cfg)
+    assert_close(out, lse, q, kv, rows)
+    q2, kv2, rows2 = make_inputs(11 + n, n, h, 2048, 50_000)
+    out2, lse2 = sparse_mla_decode(q2, kv2, rows2, sm_scale=SM_SCALE, backend="triton",
+                                   config=cfg)
+    assert_close(out2, lse2, q2, kv2, rows2)
+    check_poisoned_run(*poisoned_inputs(43 + n, n, h, 2048, 50_000, nan_query=n > 1),
+                       "triton", cfg)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [None, "triton"])
 def test_kernel_gpu_all_holes_and_multi_query_rows(backend):
@@ -687,6 +726,20 @@ def test_fp8_kernel_gpu_matches_float64(variant, n, h, top_k):
     out2, lse2 = sparse_mla_decode(q2, kv82, rows2, sm_scale=SM_SCALE, kv_format=FP8,
                                    backend="triton", config=cfg)
     assert_close_fp8(out2, lse2, q2, kv82, rows2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, h", [(1, 128), (4, 16)])
+def test_fp8_kernel_gpu_as_many_k_splits_as_steps(n, h):
+    """The fp8 kernel's default tuning with 32 K splits of K = 2048 (one step each)
+    against float64 on the dequantized rows."""
+    base = tk.DEFAULT_FP8_WIDE if h >= 64 else tk.DEFAULT_FP8
+    cfg = dataclasses.replace(base, num_splits=2048 // base.block_k)
+    q, _, kv8, rows = make_fp8_inputs(500 + n * h, n, h, 2048, 50_000,
+                                      invalid_rows=(n - 1,) if n > 1 else ())
+    out, lse = sparse_mla_decode(q, kv8, rows, sm_scale=SM_SCALE, kv_format=FP8,
+                                 backend="triton", config=cfg)
+    assert_close_fp8(out, lse, q, kv8, rows)
 
 
 @pytest.mark.gpu

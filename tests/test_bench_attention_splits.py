@@ -1,0 +1,42 @@
+"""bench/attention_splits.py on tiny CPU shapes (the kernel in interpret mode): every split
+count that divides the K steps is timed beside the default rule, each checked against the
+reference; bad arguments are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+from tests.bench_runs import run_small
+
+
+def _run(*args: str):
+    return run_small("bench.attention_splits", *args)
+
+
+def test_every_split_count_is_timed_beside_the_default_and_checked(tmp_path):
+    out = tmp_path / "as.json"
+    proc = _run("--ns", "1,3", "--heads", "16", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    counts = record["split_counts"]
+    steps = record["top_k"] // record["block_k"]
+    assert counts == [s for s in range(1, steps + 1) if steps % s == 0] and len(counts) > 1
+    assert record["timed_splits"] == [s for s in counts if s >= min(4, counts[-1])]
+    for n in (1, 3):
+        figs = [f for f in record["figures"] if f["n"] == n]
+        assert sum(f["default_rule"] for f in figs) == 1
+        assert figs[0]["default_rule"] and figs[0]["ratio_to_default"] == 1.0
+        assert sorted({f["splits"] for f in figs}) == sorted(
+            {figs[0]["splits"], *record["timed_splits"]})
+        for f in figs:
+            assert f["rel_err"] < 2e-2, f
+            assert f["wall_us_per_call"] > 0
+            assert f["device_us_per_call"] is None         # no GPU trace on the CPU
+            assert f["selected_bytes"] == n * record["top_k"] * 1152
+
+
+def test_bad_arguments_are_refused_by_name():
+    for args, says in ((("--ns", "0"), "--ns"), (("--heads", "x"), "--heads"),
+                       (("--inner", "0"), "--inner"), (("--splits", "3"), "--splits")):
+        proc = _run(*args)
+        assert proc.returncode != 0 and says in proc.stderr, (args, proc.stderr[-500:])

@@ -305,12 +305,12 @@ class HostPool:
             raise ValueError(f"array index must be in [0, {len(arrays)}), got {index}")
         if tuple(array.shape) != self.shape or np.dtype(array.dtype) != self.dtype:
             raise ValueError(
-                f"replace_layer needs a {self.dtype}{list(self.shape)} array, got "
+                f"the pool needs a {self.dtype}{list(self.shape)} array, got "
                 f"{array.dtype}{list(array.shape)}")
         kind = getattr(array.sharding, "memory_kind", None)
         if kind != self.sharding.memory_kind:
             raise ValueError(
-                f"replace_layer needs an array in {self.sharding.memory_kind!r} memory, got "
+                f"the pool needs an array in {self.sharding.memory_kind!r} memory, got "
                 f"{kind!r}: a copy into the pool must return it there (out_shardings)")
         old = arrays[index]
         arrays[index] = array

@@ -61,8 +61,14 @@ def _device_us(f, sets, reps: int) -> dict[str, Any] | None:
     kernels; None without a GPU trace."""
     if jax.default_backend() != "gpu":
         return None
+    # No Python tracer and no HLO protos: only the kernels are wanted (a lighter trace; the
+    # first GPU run spent ~80 s per setting, where compiles and traces were not told apart).
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.enable_hlo_proto = False
     with tempfile.TemporaryDirectory(prefix="hisparse-splits-") as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True,
+                                profiler_options=options):
             outs = [f(*sets[i % len(sets)]) for i in range(reps)]
             jax.block_until_ready(outs)
         trace = load_trace(pathlib.Path(trace_dir))

@@ -164,6 +164,23 @@ class Lookup:
     misses: jax.Array
 
 
+def layers_per_pool_array(num_arrays: int, num_layers: int, group_size: int) -> int:
+    """G, the layers each of a host pool's `num_arrays` arrays holds side by side, for
+    `num_layers` layers in index groups of `group_size` (1: one array per layer).
+
+    Raises:
+      ValueError: the arrays do not split the layers into whole groups (their number must
+        divide num_layers, and G divide group_size).
+    """
+    pack = num_layers // num_arrays if num_arrays and num_layers % num_arrays == 0 else 0
+    if not pack or group_size % pack:
+        raise ValueError(
+            f"host_pools has {num_arrays} arrays for {num_layers} layers in index groups of "
+            f"{group_size}; the rule is one array per layer, or one per G layers with G "
+            "dividing the index group size")
+    return pack
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheBatch:
@@ -211,14 +228,8 @@ class CacheBatch:
           ValueError: the arrays do not split the layers into whole groups (their number
             must divide num_layers, and the layers per array divide group_size).
         """
-        arrays = len(self.host_pools)
-        pack = num_layers // arrays if arrays and num_layers % arrays == 0 else 0
-        if not pack or group_size % pack:
-            raise ValueError(
-                f"host_pools has {arrays} arrays for {num_layers} layers in index groups of "
-                f"{group_size}; the rule is one array per layer, or one per G layers with G "
-                "dividing the index group size")
-        per_group = group_size // pack
+        per_group = group_size // layers_per_pool_array(len(self.host_pools), num_layers,
+                                                        group_size)
         return self.host_pools[group * per_group:(group + 1) * per_group]
 
     def rows(self, index: int) -> CacheBatch:

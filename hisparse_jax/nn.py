@@ -38,7 +38,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache
+from hisparse_jax.cache import (
+    AllResident,
+    CacheBatch,
+    HiSparseKVCache,
+    layers_per_pool_array,
+)
 from hisparse_jax.ops import sparse_mla_decode, stage_prefill_rows
 
 # --------------------------------------------------------------------------- configs
@@ -520,16 +525,15 @@ class Transformer(nnx.Module):
         if host_pages is None:
             src = jnp.zeros_like(res)
         else:
-            layers, group = self.cfg.num_layers, self.cfg.index_group_size
-            pack = layers // len(host_pools) if host_pools else 0
-            if (not pack or layers % len(host_pools) or group % pack
-                    or host_pages.shape != pages.shape):
+            if host_pages.shape != pages.shape:
                 raise ValueError(
                     f"prefill_chunk: staging needs host_pages of the shape of pages "
-                    f"{tuple(pages.shape)} and the host pool's arrays (one per layer, or one "
-                    f"per G layers with G dividing the index group size {group}; "
-                    f"{layers} layers), got host_pages {tuple(host_pages.shape)} and "
-                    f"{len(host_pools)} pool arrays")
+                    f"{tuple(pages.shape)}, got {tuple(host_pages.shape)}")
+            try:
+                layers_per_pool_array(len(host_pools), self.cfg.num_layers,
+                                      self.cfg.index_group_size)
+            except ValueError as e:
+                raise ValueError(f"prefill_chunk: staging: {e}") from None
             src = jnp.broadcast_to(host_pages, res.shape)
         pages_batch = CacheBatch(
             state_rows=jnp.where(jnp.arange(T) < length, state_row, -1), positions=pos,

@@ -565,9 +565,10 @@ class MeshEngine(Engine):
                        for g in ("src", "res", "hot"))
         pools: tuple[jax.Array, ...] = ()
         if residency.reads_host:
-            pools = tuple(self._global([r.host_pool.arrays[i] for r in runners],
+            pools = tuple(self._global(list(shards),
                                        memory_kind=runners[0].host_pool.sharding.memory_kind)
-                          for i in range(runners[0].host_pool.num_arrays))
+                          for shards in zip(*(r.host_pool.arrays for r in runners),
+                                            strict=True))
         host = [self._host_array(a) for a in (tokens, positions, state_rows)]
         next_tokens, cache, aux = self._decode_jit(residency)(
             self.params, cache, *host, tables, pools, self._host_array(temperature), self._key,

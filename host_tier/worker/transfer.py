@@ -139,8 +139,9 @@ class TransferEngine:
             hosts = [r.host_block for r in plan.restores]
             devices = [r.device_block for r in plan.restores]
             counts = [r.num_rows for r in plan.restores]
-            host_rows = self._layer_rows(_page_rows(hosts, counts, self.block_size))
-            device_rows = self._put(_page_rows(devices, counts, self.block_size))
+            device_rows, host_rows = self._layer_rows(
+                _page_rows(devices, counts, self.block_size),
+                _page_rows(hosts, counts, self.block_size))
             for layer, kv in enumerate(kv_caches):
                 out[layer] = self.restore_fn(self.host_pool.layer(layer), kv,
                                              host_rows[layer], device_rows)
@@ -175,16 +176,17 @@ class TransferEngine:
         try:
             B = self.block_size
             counts = [B] * len(plan.spills)
-            rows = _page_rows([s.host_block for s in plan.spills], counts, B)
-            device_rows = self._put(_page_rows([s.device_block for s in plan.spills], counts, B))
+            devices = _page_rows([s.device_block for s in plan.spills], counts, B)
+            hosts = _page_rows([s.host_block for s in plan.spills], counts, B)
             if self.mirror_group_fn is not None:
                 layer = 0
+                device_rows, group_rows = self._put((devices, hosts))
                 pools = self.mirror_group_fn(kv_caches, self.host_pool.arrays, device_rows,
-                                             self._put(rows))
+                                             group_rows)
                 for i, pool in enumerate(pools):
                     self.host_pool.replace_array(i, pool)
             else:
-                host_rows = self._layer_rows(rows)
+                device_rows, host_rows = self._layer_rows(devices, hosts)
                 for layer, kv in enumerate(kv_caches):
                     pool = self.mirror_fn(kv, self.host_pool.layer(layer), device_rows,
                                           host_rows[layer])
@@ -239,13 +241,16 @@ class TransferEngine:
                 f"({self.host_pool.num_layers}), got {len(kv_caches)}")
         return kv_caches
 
-    def _layer_rows(self, rows: np.ndarray) -> list[jax.Array]:
-        """Each layer's row ids of host rows `rows` in its array (`HostPool.layer_rows`), on
-        the copies' device: one transfer for all of them (the same array for every layer of
-        an unpacked pool)."""
+    def _layer_rows(self, device_rows: np.ndarray, host_rows: np.ndarray
+                    ) -> tuple[jax.Array, list[jax.Array]]:
+        """The device rows and each layer's row ids of host rows `host_rows` in its array
+        (`HostPool.layer_rows`; the same array for every layer of an unpacked pool), on the
+        copies' device in one transfer."""
         pool = self.host_pool
-        slots = self._put(tuple(pool.layer_rows(s, rows) for s in range(pool.layers_per_array)))
-        return [slots[layer % pool.layers_per_array] for layer in range(pool.num_layers)]
+        g = pool.layers_per_array
+        device, *slots = self._put((device_rows,
+                                    *(pool.layer_rows(s, host_rows) for s in range(g))))
+        return device, [slots[layer % g] for layer in range(pool.num_layers)]
 
     def _put(self, rows: Any) -> Any:
         """Row lists (an array or a tuple of them: one transfer call) to the copies' device."""

@@ -6,11 +6,17 @@ prompts, drift top-k) for one mode and concurrency, steps it to its steady state
 
   1. times `--steps` whole steps with the host phases of `Engine._step` timed separately
      (schedule, tables, restores, dispatch, spills, reports, waiting for the device, the
-     per-request bookkeeping after it): wall time only, no profiler running;
+     per-request bookkeeping after it): wall time only, no profiler running; each step's
+     record (phases, garbage-collection time, drains, rows read from host) is kept, and the
+     steps slower than 1.5x the median are listed with the phases that grew (`tail`);
   2. traces `--profile-steps` more steps with the jax profiler and sums the device's kernel
      and copy time per step by category (attention, resolve, host->device gather, GEMMs,
      memcpy, other XLA fusions), the device's busy time (the union of every stream's
-     intervals) and its idle time within the traced steps.
+     intervals) and its idle time within the traced steps;
+  3. with `--floors`, times the attention and the host gather alone at the step's shapes
+     (the gather from the engine's own pool: its span sets the rate), and sets each device
+     part's floor to the lower of its in-step and alone time: the step's p50 over their sum
+     is the issue-15 figure "step p50 / device floors".
 
 The result (JSON, and a Markdown table of both parts) goes to
 `bench/results/profile_step-<backend>-<mode>-c<C>.json`; the raw trace stays under `--trace-dir`
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import gzip
 import json
 import os
@@ -39,6 +46,7 @@ from typing import Any
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import e2e_decode as e2e  # noqa: E402
@@ -189,6 +197,12 @@ class PhaseTimer:
         self.current: dict[str, float] = collections.defaultdict(float)
         self.active = False
         self.dropped = 0
+        self.engine = engine
+        # Per timed step: what it did besides the phases (garbage collections, drains of the
+        # async pipeline, rows read from host), to explain the slow ones.
+        self.per_step: list[dict[str, float]] = []
+        self._gc_start: float | None = None
+        gc.callbacks.append(self._on_gc)
         owners = {"scheduler": engine.scheduler, "runner": engine.runner}
         for owner, method, _ in PHASES:
             if method == "wait":
@@ -206,6 +220,20 @@ class PhaseTimer:
 
         engine.runner.collect_decode = collect_with_wait
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.current["gc"] += time.perf_counter() - self._gc_start
+            self.current[f"gc{info.get('generation', 0)}"] += 1
+            self._gc_start = None
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -221,6 +249,8 @@ class PhaseTimer:
         helper: not steady state) is counted in `dropped`, not timed."""
         self.current.clear()
         compiles = counter.count
+        m = engine.metrics
+        drains, rows = m.drains, m.rows_moved
         self.active = counter.active = True
         t0 = time.perf_counter()
         engine.step()
@@ -232,6 +262,42 @@ class PhaseTimer:
         for _, method, _ in PHASES:
             self.totals[method].append(self.current.get(method, 0.0))
         self.totals["step"].append(wall)
+        self.per_step.append({
+            "step_ms": 1e3 * wall,
+            **{method: 1e3 * self.current.get(method, 0.0) for _, method, _ in PHASES},
+            "gc_ms": 1e3 * self.current.get("gc", 0.0),
+            **{f"gc_gen{g}": int(self.current.get(f"gc{g}", 0)) for g in range(3)},
+            "drains": m.drains - drains, "rows_from_host": m.rows_moved - rows,
+            "running": len(engine.running)})
+
+    def tail(self, factor: float = 1.5) -> dict[str, Any]:
+        """The steps slower than `factor` x the median step: for each, its wall time, what
+        its phases took above their medians, its garbage-collection time and drains."""
+        if not self.per_step:
+            return {}
+        walls = np.asarray([s["step_ms"] for s in self.per_step])
+        p50 = float(np.median(walls))
+        medians = {method: float(np.median([s[method] for s in self.per_step]))
+                   for _, method, _ in PHASES}
+        slow = []
+        for i, s in enumerate(self.per_step):
+            if s["step_ms"] <= factor * p50:
+                continue
+            excess = {method: round(s[method] - medians[method], 3) for _, method, _ in PHASES
+                      if s[method] - medians[method] > 0.1}
+            slow.append({"index": i, "step_ms": round(s["step_ms"], 3),
+                         "phase_excess_ms": excess, "gc_ms": round(s["gc_ms"], 3),
+                         "gc_gen2": s["gc_gen2"], "drains": s["drains"],
+                         "rows_from_host": s["rows_from_host"]})
+        gc_ms = np.asarray([s["gc_ms"] for s in self.per_step])
+        return {"factor": factor, "step_ms_p95": float(np.percentile(walls, 95)),
+                "step_ms_max": float(walls.max()),
+                "p95_over_p50": float(np.percentile(walls, 95)) / p50,
+                "gc_ms_total": float(gc_ms.sum()),
+                "gc_ms_max": float(gc_ms.max()),
+                "gc_gen2_collections": int(sum(s["gc_gen2"] for s in self.per_step)),
+                "drains": int(sum(s["drains"] for s in self.per_step)),
+                "slow_steps": slow}
 
     def result(self) -> dict[str, Any]:
         def ms(values: list[float]) -> dict[str, float]:
@@ -244,7 +310,70 @@ class PhaseTimer:
         return {"step_ms": step, "phases_ms": phases,
                 "rest_of_step_ms_mean": step["mean"] - accounted,
                 "timed_steps": len(self.totals["step"]),
-                "steps_dropped_for_compiles": self.dropped}
+                "steps_dropped_for_compiles": self.dropped,
+                "tail": self.tail(), "per_step": self.per_step}
+
+
+def isolated_floors(engine: Any, pool: HostPool | None, cfg: nn.ModelConfig,
+                    rows_from_host_per_step: float, *, reps: int) -> dict[str, Any]:
+    """Device time of the step's two largest parts, each run alone at the step's shapes in
+    this process (wall time of `reps` calls chained in one jit): sparse MLA attention over
+    `len(engine.running)` query rows and a cache of the engine's size, per layer; and the
+    gather of one layer's misses per step (`rows_from_host_per_step` / layers distinct
+    random rows) from the engine's own pinned pool (its span sets the gather's rate)."""
+    from bench import gather_pool
+    from bench.ops import sparse_mla_decode as attn_bench
+    from hisparse_jax.ops import sparse_mla_decode
+
+    n, layers = len(engine.running), cfg.num_layers
+    cache_rows = engine.num_gpu_blocks * engine.config.block_size
+    key = jax.random.key(0)
+    kq, kk, kr = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (reps, n, cfg.num_heads, cfg.row_width), jnp.bfloat16)
+    kv = jax.random.normal(kk, (cache_rows, cfg.row_width), jnp.bfloat16)
+    rows = jax.random.randint(kr, (reps, n, cfg.top_k), 0, cache_rows, jnp.int32)
+
+    def attend(q, kv, rows):
+        return sparse_mla_decode(q, kv, rows, sm_scale=cfg.sm_scale, v_width=cfg.kv_lora_rank)
+
+    seconds, _ = attn_bench._timed(attend, q, kv, rows, iters=5)
+    del q, kv, rows
+    out: dict[str, Any] = {"attention_us_per_layer": 1e6 * seconds,
+                           "attention_us_per_step": 1e6 * seconds * layers,
+                           "attention_shape": {"N": n, "h_q": cfg.num_heads, "K": cfg.top_k,
+                                               "cache_rows": cache_rows}}
+    per_layer = int(round(rows_from_host_per_step / layers))
+    if pool is not None and per_layer > 0:
+        # One layer's misses from the first pool array (the engine's per-layer layout reads
+        # each layer's pool alone; every pool array has the same span).
+        fig = gather_pool._time([pool.arrays[0]], per_layer, reps, np.random.default_rng(0),
+                                layers=1)
+        out.update(gather_us_per_layer=fig["us_per_gather"],
+                   gather_us_per_step=fig["us_per_gather"] * layers,
+                   gather_rows_per_layer=per_layer, gather_GBps=fig["GBps"],
+                   gather_pool_gib=fig["pool_gib"])
+    return out
+
+
+def floors_table(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The step's device floors: each part at the lower of its in-step kernel time (the
+    trace) and its time run alone (`isolated_floors`) where there is one; their sum against
+    the step's p50."""
+    dev, iso = result.get("device") or {}, result.get("isolated") or {}
+    cats = dict(dev.get("kernel_us_per_step_by_category") or {})
+    if not cats:
+        return None
+    alone = {"attention (sparse MLA)": iso.get("attention_us_per_step"),
+             "host -> device gather": iso.get("gather_us_per_step")}
+    parts = {}
+    for label, us in cats.items():
+        other = alone.get(label)
+        parts[label] = {"in_step_us": us, "alone_us": other,
+                        "floor_us": min(us, other) if other is not None else us}
+    total = sum(p["floor_us"] for p in parts.values())
+    p50 = 1e3 * result["host"]["step_ms"]["p50"]
+    return {"parts": parts, "sum_us": total, "step_p50_us": p50,
+            "step_p50_over_floors": p50 / total if total else None}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -258,6 +387,20 @@ def markdown(result: dict[str, Any]) -> str:
                  f"{host['rest_of_step_ms_mean']:.2f} | |")
     lines.append(f"| **whole step** | **{host['step_ms']['mean']:.2f}** | "
                  f"**{host['step_ms']['p50']:.2f}** |")
+    tail = host.get("tail") or {}
+    if tail:
+        lines.append(f"| step p95 / max | {tail['step_ms_p95']:.2f} / {tail['step_ms_max']:.2f} "
+                     f"| p95/p50 {tail['p95_over_p50']:.2f} |")
+        lines.append(f"| garbage collection (all steps; gen-2 runs) | "
+                     f"{tail['gc_ms_total'] / max(host['timed_steps'], 1):.2f} | "
+                     f"{tail['gc_gen2_collections']} |")
+        labels = {method: label for _, method, label in PHASES}
+        for slow in tail["slow_steps"]:
+            parts = ", ".join(f"{labels[k].split(' (')[0]} +{v:.2f}"
+                              for k, v in slow["phase_excess_ms"].items())
+            lines.append(f"| slow step {slow['index']}: {slow['step_ms']:.2f} ms | "
+                         f"{parts or '-'}; gc {slow['gc_ms']:.2f} ms, drains "
+                         f"{slow['drains']} | |")
     dev = result.get("device") or {}
     if dev.get("events"):
         lines += ["", "| device | us / step |", "| --- | ---: |"]
@@ -267,6 +410,17 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| traced step wall time | {1e3 * result['traced_step_ms_mean']:.0f} |")
         idle = 1e3 * result["traced_step_ms_mean"] - dev["busy_us_per_step"]
         lines.append(f"| device idle | {idle:.0f} |")
+    floors = result.get("floors")
+    if floors:
+        lines += ["", "| part | in the step (us) | alone (us) | floor (us) |",
+                  "| --- | ---: | ---: | ---: |"]
+        for label, part in floors["parts"].items():
+            alone = f"{part['alone_us']:.0f}" if part["alone_us"] is not None else "-"
+            lines.append(f"| {label} | {part['in_step_us']:.0f} | {alone} | "
+                         f"{part['floor_us']:.0f} |")
+        lines.append(f"| **sum of floors** | | | **{floors['sum_us']:.0f}** |")
+        lines.append(f"| step p50 / sum of floors | | | "
+                     f"**{floors['step_p50_over_floors']:.2f}x** |")
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="host-phase timed steps")
     p.add_argument("--profile-steps", type=int, default=6, help="steps under the profiler")
     p.add_argument("--trace-dir", default=None, help="default: a temporary directory")
+    p.add_argument("--floors", action="store_true",
+                   help="also time the attention and the host gather alone at the step's "
+                        "shapes (needs --profile-steps for the other parts)")
+    p.add_argument("--floor-reps", type=int, default=8,
+                   help="calls chained in one jit per isolated timing")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     for name in ("concurrency", "context", "gen_budget", "steps"):
@@ -314,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = e2e.make_engine(model, sizing, sizes, mode=args.mode,
                              concurrency=args.concurrency,
                              source=DriftTopK(turnover=args.turnover, seed=1), pool=pool)
+    timer = None
     try:
         ramp = e2e.ramp(engine, args)
         timer, counter = PhaseTimer(engine), e2e.CompileCounter()
@@ -340,17 +500,26 @@ def main(argv: list[str] | None = None) -> int:
                 if trace is not None:
                     device["host_events"] = host_summary(trace, args.profile_steps)
             device["trace_dir"] = str(trace_dir)
+        host = timer.result()
+        isolated = None
+        if args.floors:
+            steps = max(host["timed_steps"], 1)
+            rows = sum(st["rows_from_host"] for st in timer.per_step) / steps
+            isolated = isolated_floors(engine, pool, cfg, rows, reps=args.floor_reps)
         result = {
             "benchmark": "profile_step", "mode": args.mode, "concurrency": args.concurrency,
             "running": len(engine.running), "seats": engine.config.max_seats,
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
                        "turnover": args.turnover, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling, **sizes},
-            "ramp": ramp, "host": timer.result(),
+            "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
-            "device": device,
+            "device": device, "isolated": isolated,
         }
+        result["floors"] = floors_table(result)
     finally:
+        if timer is not None:
+            timer.close()
         engine.close()
         if pool is not None:
             pool.close()

@@ -347,8 +347,14 @@ class Runner:
             pool.replace_array(i, jax.device_put(np.zeros(pool.shape, pool.dtype), pool.sharding))
 
     def _set_cache(self, cache: DecodeCache) -> None:
-        """Keeps the cache under the mode's residency between steps (one prefill variant)."""
-        self.cache = _with_residency(cache, self.residency)
+        """Keeps a step's new cache under the residency it ran with: a run of fast decode
+        steps rebuilds no pytree between them (the prefills put the mode's residency back,
+        `_mode_cache`: one prefill variant)."""
+        self.cache = cache
+
+    def _mode_cache(self) -> DecodeCache:
+        """The cache under the mode's residency (what every prefill variant is traced with)."""
+        return _with_residency(self.cache, self.residency)
 
     # ------------------------------------------------------------------ plan execution
 
@@ -562,7 +568,7 @@ class Runner:
         block-table row `pages` int32[max_pages] (0: none, nothing written); samples token
         `token_index` of sampling seed `seed`. With `host_pages` int32[max_pages] (the host
         block-table row) the staged variant, which also takes the host pools."""
-        args = [self.params, self.cache,
+        args = [self.params, self._mode_cache(),
                 *self._put((padded, np.int32(start), np.int32(length), np.int32(seat), pages,
                             np.float32(temperature))),
                 self.sample_key, *self._put((np.int32(_int32_bits(seed)),
@@ -581,7 +587,7 @@ class Runner:
         """Dispatches the prefill of padded tokens int32[T] (the first `length` real) written
         to flat rows write_rows int32[T] (-1: none) and index-key row `seat` (out of range:
         none); samples token `token_index` of sampling seed `seed`."""
-        args = [self.params, self.cache,
+        args = [self.params, self._mode_cache(),
                 *self._put((padded, np.int32(length), np.int32(seat), write_rows,
                             np.float32(temperature))),
                 self.sample_key, *self._put((np.int32(_int32_bits(seed)),

@@ -127,6 +127,10 @@ def test_e2e_benchmark_counts_every_token_it_times(tmp_path, async_scheduling):
         assert r["async_scheduling"] is async_scheduling
         assert r["measured_steps"] == 8, r
         assert r["measured_tokens"] == 8 * r["running_max"], r
+        # Each of the 2 blocks of an async engine ends with the harness's drain, timed apart
+        # from the step latencies (it counts in tokens/s); a synchronous engine never drains.
+        assert len(r["block_end_drains_ms"]) == (2 if async_scheduling else 0), r
+        assert all(d >= 0 for d in r["block_end_drains_ms"])
 
 
 def test_e2e_plot_draws_both_panels(tmp_path):

@@ -16,8 +16,9 @@ moves as 512 + 64), computes S = q_nope k_nope^T + q_rope k_rope^T in fp32, an o
 in base 2 (running max starts at the finite `M_INIT` so fully masked tiles stay NaN-free), and
 acc += P k_nope. A -1 entry loads nothing (masked load: the row it would address is never
 read, so a NaN or Inf there cannot reach an output) and scores -inf. A NaN query head gives
-NaN out and NaN lse for that head. K splits (flash-decoding) are combined in float32 by
-`reference.combine_splits`.
+NaN out and NaN lse for that head. K splits (flash-decoding) are combined in float32 by the
+one-launch kernel of `combine.py` (`AttentionTuning.fused_combine`; else by
+`reference.merge_splits`).
 
 fp8 rows (`kv_format="fp8_ds_mla"`, uint8[656], layout in `pallas_kernels/kv_format.py`): the
 same program and online softmax; only the K-tile read differs (`_read_fp8_rows`): the latent
@@ -47,6 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _compat, _triton
 from pallas_kernels import kv_format as kvf
+from pallas_kernels.sparse_mla_decode import combine
 from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
 
 FP8_WORDS = ("contiguous", "strided", "split")
@@ -84,6 +86,9 @@ class AttentionTuning:
       4 score dots summed unscaled, 4 value dots sharing one bf16 P) or "tile512" (the same
       as one [block_k, 512] tile: one score dot of K = 512 and one value dot of N = 512).
       "tiles" and "tile512" round the dequantized values to bf16, as bf16 rows are.
+    fused_combine: merge the K splits with the one-launch Pallas kernel of `combine.py`;
+      False runs the jnp `reference.merge_splits` (three XLA fusions on the GPU), kept for
+      benchmarking against it. No effect with one split.
     The field defaults are the fp8 sweep's choice below 64 heads; the kernel's default for
     bf16 rows is `DEFAULT` (`bench/NOTES-sparse_mla.md`).
     """
@@ -97,6 +102,7 @@ class AttentionTuning:
     prefetch_tiles: bool = False
     fp8_words: str = "contiguous"
     fp8_scale: str = "scores"
+    fused_combine: bool = True
 
     def __post_init__(self) -> None:
         if self.block_h is not None and (not _triton.is_pow2(self.block_h)
@@ -523,4 +529,6 @@ def sparse_mla_decode(
         )(q_pad, kv_rows, rows))
 
     out, lse2 = _compat.quiet_triton_call(call, q_pad, kv_rows, rows)
-    return merge_splits(out, lse2, h_q, q.dtype)
+    if splits == 1 or not cfg.fused_combine:
+        return merge_splits(out, lse2, h_q, q.dtype)
+    return combine.combine_splits(out, lse2, h_q, q.dtype, interpret=interpret)

@@ -9,8 +9,10 @@ N=1, h_q=128 the grid is 16 programs on a 132-SM GPU. This benchmark times the T
 rule, at each (N, h_q): the device time per call (the jax profiler's kernel intervals, busy
 time over `--reps` calls on `--inner` rotating input sets, the split-K combine included;
 GPU only) and the wall time of one synchronised call (median of the same calls, launch
-included). Each setting is checked against the jnp reference (relative error of the
-output). The same-run baseline is the default rule's figure of the same shape.
+included); `--xla-combine` also times each setting with the split-K combine as XLA fusions
+(the combine kernel's baseline). Each setting is checked against the jnp reference
+(relative error of the output). The same-run baseline is the default rule's figure of the
+same shape.
 
 Writes `bench/results/attention_splits-<backend>.json` after every figure.
 HISPARSE_BENCH_SMALL=1: tiny shapes in interpret mode (CPU test; figures meaningless).
@@ -82,10 +84,10 @@ def _device_us(f, sets, reps: int) -> dict[str, Any] | None:
                          "calls": k["calls_per_step"]} for k in summary["top_kernels"][:4]]}
 
 
-def _time(n: int, h: int, splits: int | None, args: argparse.Namespace, kv, key
-          ) -> dict[str, Any]:
-    tuning = tk.DEFAULT if splits is None else dataclasses.replace(tk.DEFAULT,
-                                                                   num_splits=splits)
+def _time(n: int, h: int, splits: int | None, args: argparse.Namespace, kv, key, *,
+          fused_combine: bool = True) -> dict[str, Any]:
+    tuning = dataclasses.replace(tk.DEFAULT, fused_combine=fused_combine,
+                                 **({} if splits is None else {"num_splits": splits}))
     sets = []
     for k in jax.random.split(key, args.inner):
         kq, kr = jax.random.split(k)
@@ -105,7 +107,9 @@ def _time(n: int, h: int, splits: int | None, args: argparse.Namespace, kv, key
                     iters=args.reps)
     device = _device_us(f, sets, args.reps)
     return {"n": n, "h_q": h, "splits": splits or _default_splits(n, h),
-            "default_rule": splits is None, "wall_us_per_call": stats["median_us"],
+            "default_rule": splits is None,
+            "combine": "fused kernel" if fused_combine else "XLA fusions",
+            "wall_us_per_call": stats["median_us"],
             "device_us_per_call": None if device is None else device["busy_us"],
             "top_kernels": None if device is None else device["kernels"], "rel_err": err,
             "selected_bytes": n * TOP_K * WIDTH * 2}
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="distinct input sets the calls rotate over")
     p.add_argument("--reps", type=int, default=2 if SMALL else 30,
                    help="calls timed (wall) and traced (device)")
+    p.add_argument("--xla-combine", action="store_true",
+                   help="also time each timed split count with the split-K combine as XLA "
+                        "fusions (`AttentionTuning.fused_combine=False`): the combine "
+                        "kernel's same-run baseline")
     p.add_argument("--output", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
     if args.inner < 1 or args.reps < 1:
@@ -154,15 +162,17 @@ def main(argv: list[str] | None = None) -> int:
             write_result(name, out, args.output)
             line = [f"N={n:3d} h={h:3d} default {base['splits']:2d} splits: wall "
                     f"{base['wall_us_per_call']:6.1f} us device {base['device_us_per_call']}"]
-            for s in wanted:
-                if s == base["splits"]:
-                    continue
-                fig = _time(n, h, s, args, kv, key)
-                key_us = ("device_us_per_call" if base["device_us_per_call"]
-                          else "wall_us_per_call")
+            key_us = "device_us_per_call" if base["device_us_per_call"] else "wall_us_per_call"
+            runs = [(s, True) for s in wanted if s != base["splits"]]
+            if args.xla_combine:
+                runs = [(None, False)] + [(s, f) for s in wanted if s != base["splits"]
+                                          for f in (True, False)]
+            for s, fused in runs:
+                fig = _time(n, h, s, args, kv, key, fused_combine=fused)
                 fig["ratio_to_default"] = base[key_us] / fig[key_us]
                 out["figures"].append(fig)
-                line.append(f"{s}: {fig['wall_us_per_call']:.1f} / {fig[key_us]:.1f}")
+                line.append(f"{fig['splits']}{'' if fused else ' xla'}: "
+                            f"{fig['wall_us_per_call']:.1f} / {fig[key_us]:.1f}")
                 write_result(name, out, args.output)
             print("  ".join(line), flush=True)
     print("wrote", write_result(name, out, args.output))

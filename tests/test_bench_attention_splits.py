@@ -35,6 +35,23 @@ def test_every_split_count_is_timed_beside_the_default_and_checked(tmp_path):
             assert f["selected_bytes"] == n * record["top_k"] * 1152
 
 
+def test_xla_combine_times_each_setting_both_ways(tmp_path):
+    out = tmp_path / "as.json"
+    proc = _run("--ns", "2", "--heads", "16", "--splits", "1,2", "--xla-combine",
+                "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figs = json.loads(out.read_text())["figures"]
+    default = figs[0]["splits"]
+    assert figs[0]["default_rule"] and figs[0]["combine"] == "fused kernel"
+    # The default rule's split count both ways, every other timed count both ways.
+    settings = sorted((f["splits"], f["combine"], f["default_rule"]) for f in figs)
+    want = sorted([(default, "fused kernel", True), (default, "XLA fusions", True)]
+                  + [(s, c, False) for s in (1, 2) if s != default
+                     for c in ("fused kernel", "XLA fusions")])
+    assert settings == want
+    assert all(f["rel_err"] < 2e-2 for f in figs)
+
+
 def test_bad_arguments_are_refused_by_name():
     for args, says in ((("--ns", "0"), "--ns"), (("--heads", "x"), "--heads"),
                        (("--inner", "0"), "--inner"), (("--splits", "3"), "--splits")):

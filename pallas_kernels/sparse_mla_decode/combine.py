@@ -23,12 +23,14 @@ its heads' lse2 of every split as one [S', block_h] tile (S' = S rounded up to a
 two, the missing splits read as -inf: weight 0) and their outputs as one
 [S', block_h, block_v] tile, then reduces over the split axis: the same operations as the
 jnp reference (only the order of the sums over S may differ), with no chain of dependent
-loads (a first version looped over the splits, one [block_h, block_v] load each: at S = 32
-it took ~12 us against the XLA fusions' ~6.4). The tile holds at most `TILE` values; the
+loads (a first version looped over the splits, one [block_h, block_v] load each: at N = 1,
+h = 128, S = 32 the attention with it took 20.7 us of device time, 15.9 with the XLA fusions;
+with this one 12.2: `bench/NOTES-sparse_mla.md`). The tile holds at most `TILE` values; the
 column blocks are narrowed until about `_triton.TARGET_PROGRAMS` programs share the
 (memory-bound) read of T * S * h * v values, so one or two query rows still use many SMs.
 Every program recomputes its heads' weights and the first column block writes the lse.
-Masked lanes load and store at in-range, non-negative indices, dropped by their masks.
+Masked lanes load from index 0 and store to an out-of-range, non-negative index (the
+`_triton.py` convention), both dropped by their masks.
 """
 
 from __future__ import annotations

@@ -197,7 +197,6 @@ class PhaseTimer:
         self.current: dict[str, float] = collections.defaultdict(float)
         self.active = False
         self.dropped = 0
-        self.engine = engine
         # Per timed step: what it did besides the phases (garbage collections, drains of the
         # async pipeline, rows read from host), to explain the slow ones.
         self.per_step: list[dict[str, float]] = []

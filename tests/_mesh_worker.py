@@ -51,7 +51,8 @@ def figures(engine):
 
 
 def meshes(out_path, specs):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = " ".join(("--xla_force_host_platform_device_count=4",
+                                         os.environ.get("HISPARSE_TEST_XLA_FLAGS", "")))
     from hisparse_jax import nn
     from hisparse_jax.engine import Engine, EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
@@ -205,7 +206,8 @@ def refusals(model):
 
 
 def process(out_path, spec, port, process_id):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = " ".join(("--xla_force_host_platform_device_count=2",
+                                         os.environ.get("HISPARSE_TEST_XLA_FLAGS", "")))
     os.environ["JAX_PLATFORMS"] = "cpu"
     from pallas_kernels import _compat
 

@@ -3,9 +3,12 @@ subprocess from the repository root, for the `tests/test_bench_*.py` checks."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,3 +18,16 @@ def run_small(module: str, *args: str, timeout: float = 600) -> subprocess.Compl
     env = dict(os.environ, HISPARSE_BENCH_SMALL="1", PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def refusal(module: str, *args: str, monkeypatch, capsys) -> str:
+    """`<module>.main(args)` in this process (small shapes: the module's `SMALL` set): it must
+    refuse its arguments by exiting non-zero; returns what it said (stderr and the exit's
+    message). A subprocess per refusal would spend seconds importing jax to check a parser."""
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, "SMALL", True, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(list(args))
+    code = exc.value.code
+    assert code not in (0, None), f"{module} {args} exited {code!r}"
+    return capsys.readouterr().err + ("" if isinstance(code, int) else str(code))

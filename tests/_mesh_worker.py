@@ -44,6 +44,13 @@ def run(engine):
             for i, rid in enumerate(ids) if rid in out}
 
 
+def cpu_devices_flags(devices: int) -> str:
+    """XLA_FLAGS for a process with `devices` virtual CPU devices, plus the suite's compile
+    flags (`HISPARSE_TEST_XLA_FLAGS`, tests/conftest.py)."""
+    return " ".join(filter(None, (f"--xla_force_host_platform_device_count={devices}",
+                                  os.environ.get("HISPARSE_TEST_XLA_FLAGS"))))
+
+
 def figures(engine):
     s = engine.summary()
     return {k: s[k] for k in ("hot_lookups", "spilled_pages", "fast_path_steps",
@@ -51,8 +58,7 @@ def figures(engine):
 
 
 def meshes(out_path, specs):
-    os.environ["XLA_FLAGS"] = " ".join(("--xla_force_host_platform_device_count=4",
-                                         os.environ.get("HISPARSE_TEST_XLA_FLAGS", "")))
+    os.environ["XLA_FLAGS"] = cpu_devices_flags(4)
     from hisparse_jax import nn
     from hisparse_jax.engine import Engine, EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
@@ -206,8 +212,7 @@ def refusals(model):
 
 
 def process(out_path, spec, port, process_id):
-    os.environ["XLA_FLAGS"] = " ".join(("--xla_force_host_platform_device_count=2",
-                                         os.environ.get("HISPARSE_TEST_XLA_FLAGS", "")))
+    os.environ["XLA_FLAGS"] = cpu_devices_flags(2)
     os.environ["JAX_PLATFORMS"] = "cpu"
     from pallas_kernels import _compat
 

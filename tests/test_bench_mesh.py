@@ -9,14 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests._mesh_worker import cpu_devices_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_mesh_benchmark_runs_and_writes_its_record(tmp_path):
     out = tmp_path / "mesh.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), HISPARSE_JAX_COMPILATION_CACHE="0",
-               JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2 "
-               + os.environ.get("HISPARSE_TEST_XLA_FLAGS", ""))
+               JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_devices_flags(2))
     proc = subprocess.run(
         [sys.executable, "-m", "bench.mesh_decode", "--mesh", "2x1", "--config", "tiny",
          "--context", "128", "--gen-budget", "64", "--block-size", "16", "--concurrency", "3",

@@ -134,7 +134,8 @@ run_step() {  # name, time limit in s, command...
       # Nsight Compute profiles of single kernel launches (bench/ncu_kernels.py): attention at
       # N=64 with h_q 128 and 16, at N=256 h_q 128 and N=1, resolve at N=64 and 256, the host
       # gather at the rows of a 256-request e2e step (NCU_CASES picks; gather-step, gather-16g,
-      # gather-step-16g are extra). Reports: bench/results/ncu-*-gpu.txt.
+      # gather-step-16g are extra; NCU_RESOLVE_VARIANTS: resolve sweep candidates at N=256).
+      # Reports: bench/results/ncu-*-gpu.txt.
       ncu) run_step ncu "${NCU_LIMIT:-420}" bash -c '
         sections=${NCU_SECTIONS:-"--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis"}
         one() {  # name, kernel regex, args...
@@ -146,10 +147,11 @@ run_step() {  # name, time limit in s, command...
         }
         for case in ${NCU_CASES:-attn-n64-h128 attn-n64-h16 attn-n256-h128 resolve-n64 resolve-n256 gather}; do
           case $case in
-            attn-n64-h128) one $case sparse_mla attention --n 64 --h 128 ;;
-            attn-n64-h16) one $case sparse_mla attention --n 64 --h 16 ;;
-            attn-n256-h128) one $case sparse_mla attention --n 256 --h 128 ;;
-            attn-n1-h128) one $case sparse_mla attention --n 1 --h 128 ;;
+            attn-n64-h128) one $case sparse_mla_decode attention --n 64 --h 128 ;;
+            attn-n64-h16) one $case sparse_mla_decode attention --n 64 --h 16 ;;
+            attn-n256-h128) one $case sparse_mla_decode attention --n 256 --h 128 ;;
+            attn-n1-h128) one $case sparse_mla_decode attention --n 1 --h 128 ;;
+            attn-n64-h128-fp8) one $case sparse_mla_decode attention --n 64 --h 128 --kv-format fp8_ds_mla ;;
             resolve-n64) one $case resolve resolve --n 64 ;;
             resolve-n256) one $case resolve resolve --n 256 ;;
             gather) one gather-27648 hisparse_gather gather --rows 27648 ;;
@@ -160,9 +162,11 @@ run_step() {  # name, time limit in s, command...
             gather-step-16g) one gather-27648-step-16g hisparse_gather gather --rows 27648 --plan step --pool-gib 16 ;;
           esac
         done
-        for v in ${NCU_ATTN_VARIANTS:-}; do one "attn-n64-h128-$v" sparse_mla attention --n 64 --h 128 --tuning "$v"; done
+        for v in ${NCU_ATTN_VARIANTS:-}; do one "attn-n64-h128-$v" sparse_mla_decode attention --n 64 --h 128 --tuning "$v"; done
+        # Resolve sweep candidates at N=256 (registers per thread and CTAs per SM).
+        for v in ${NCU_RESOLVE_VARIANTS:-}; do one "resolve-n256-$v" resolve resolve --n 256 --tuning "$v"; done
         # N=1 with other K split counts (the default gives each split >= 4 steps of block_k).
-        for sp in ${NCU_N1_SPLITS:-}; do one "attn-n1-h128-splits$sp" sparse_mla attention --n 1 --h 128 --splits "$sp"; done
+        for sp in ${NCU_N1_SPLITS:-}; do one "attn-n1-h128-splits$sp" sparse_mla_decode attention --n 1 --h 128 --splits "$sp"; done
       ' ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;

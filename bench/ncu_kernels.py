@@ -1,7 +1,8 @@
 """One kernel launch at a given shape, for Nsight Compute (`ncu`) to profile.
 
   ncu --clock-control none --kernel-name regex:hisparse --launch-skip 2 --launch-count 1 \\
-      python3 -m bench.ncu_kernels attention --n 64 --h 128 [--tuning bk32_s3] [--splits 8]
+      python3 -m bench.ncu_kernels attention --n 64 --h 128 [--tuning bk32_s3] [--splits 8] \\
+          [--kv-format fp8_ds_mla]
   ... python3 -m bench.ncu_kernels resolve --n 64
   ... python3 -m bench.ncu_kernels gather --rows 27648 [--plan step] [--pool-gib 16]
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hisparse_jax as hj
+from pallas_kernels import kv_format as kvf
 
 
 def _variant(name: str, variants: dict):
@@ -47,9 +49,12 @@ def _attention(args) -> list:
     if args.splits:
         tuning = dataclasses.replace(tuning or triton.DEFAULT, num_splits=args.splits)
     kv = jax.random.normal(jax.random.key(1), (bench.POOL_ROWS, bench.WIDTH), jnp.bfloat16)
+    if args.kv_format != "bf16":
+        kv = kvf.quantize(kv)
     q, rows = bench._inputs(jax.random.key(2), args.n, args.h, 1)
     fn = jax.jit(lambda q, kv, rows: hj.sparse_mla_decode(
-        q, kv, rows, sm_scale=bench.SM_SCALE, backend="triton", config=tuning))
+        q, kv, rows, sm_scale=bench.SM_SCALE, backend="triton", config=tuning,
+        kv_format=args.kv_format))
     return [lambda: fn(q[0], kv, rows[0])] * 3
 
 
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="gather: host pool size in GiB (zeros); 0 = the benchmark's 604 MB "
                         "of random rows")
     p.add_argument("--tuning", default="", help="a variant name of the op's benchmark sweep")
+    p.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8_ds_mla"),
+                   help="attention: the KV rows' format (fp8_ds_mla: the bf16 pool quantized)")
     p.add_argument("--splits", type=int, default=0,
                    help="attention: K splits per (row, head block) (`num_splits`; 0 = the "
                         "tuning's own)")
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--n, --h and --rows must be >= 1")
     if args.pool_gib < 0:
         p.error(f"--pool-gib must be >= 0, got {args.pool_gib}")
+    if args.kv_format != "bf16" and args.op != "attention":
+        p.error(f"--kv-format is for attention, got {args.kv_format!r} for {args.op}")
     if args.splits < 0 or (args.splits and args.op != "attention"):
         p.error(f"--splits is for attention and must be >= 0, got {args.splits}")
     t = 0.0

@@ -17,6 +17,8 @@ def _run(*args: str):
                                   ("attention", "--n", "1", "--h", "16", "--tuning",
                                    "bk32_s3"),
                                   ("attention", "--n", "1", "--h", "16", "--splits", "2"),
+                                  ("attention", "--n", "2", "--h", "16", "--kv-format",
+                                   "fp8_ds_mla"),
                                   ("resolve", "--n", "2"),
                                   ("gather", "--rows", "256"),
                                   ("gather", "--rows", "512", "--plan", "step",
@@ -32,6 +34,8 @@ def test_each_op_runs_its_three_calls(args):
                                         (("attention", "--tuning", "bk7"), "--tuning"),
                                         (("resolve", "--tuning", "w3"), "--tuning"),
                                         (("resolve", "--splits", "2"), "--splits"),
+                                        (("gather", "--kv-format", "fp8_ds_mla"),
+                                         "--kv-format"),
                                         (("attention", "--splits", "-1"), "--splits")])
 def test_bad_arguments_are_refused_by_name(args, says, monkeypatch, capsys):
     assert says in refusal("bench.ncu_kernels", *args, monkeypatch=monkeypatch, capsys=capsys)

@@ -44,13 +44,15 @@ class ResolveTuning:
     cached_loads: read the row's scratch (hash table, marks) with ordinary loads that may
       hit L1, instead of volatile ones that go to L2 (every such read follows a barrier
       after the writes it must see, which orders them for the CTA under the PTX memory
-      model). Off by default (the safer choice; `bench/NOTES-data_plane.md`).
+      model: one CTA writes and reads a row's scratch, on one SM). On by default: the
+      fastest exact candidate of every H200 sweep at N=64 and N=256; False gives volatile
+      loads (`bench/NOTES-data_plane.md`).
     """
 
     num_warps: int = 16
     chunk: int = 4096
     table_factor: int = 8
-    cached_loads: bool = False
+    cached_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16, 32):

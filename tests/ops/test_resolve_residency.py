@@ -465,9 +465,10 @@ RESOLVE_SHAPES = {
     "resident": (4, 8, 12, 4, 4, 0.4, tk.ResolveTuning()),
     # A sparse (8 * Kp) table, the whole LRU in one chunk (walk and reorder fused).
     "no_resident_odd_k": (3, 7, 9, 2, 5, None, tk.ResolveTuning(table_factor=8)),
-    # 4-slot chunks: the walk carries ranks across 4 chunks; a 2*Kp table collides often.
+    # 4-slot chunks: the walk carries ranks across 4 chunks; a 2*Kp table collides often;
+    # volatile loads (the default reads the scratch through L1).
     "chunked_walk": (2, 6, 16, 4, 3, 0.3, tk.ResolveTuning(chunk=4, table_factor=2,
-                                                           cached_loads=True)),
+                                                           cached_loads=False)),
 }
 
 

@@ -49,7 +49,7 @@ def _attention(args) -> list:
     if args.splits:
         tuning = dataclasses.replace(tuning or triton.DEFAULT, num_splits=args.splits)
     kv = jax.random.normal(jax.random.key(1), (bench.POOL_ROWS, bench.WIDTH), jnp.bfloat16)
-    if args.kv_format != "bf16":
+    if args.kv_format != kvf.BF16:
         kv = kvf.quantize(kv)
     q, rows = bench._inputs(jax.random.key(2), args.n, args.h, 1)
     fn = jax.jit(lambda q, kv, rows: hj.sparse_mla_decode(
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="gather: host pool size in GiB (zeros); 0 = the benchmark's 604 MB "
                         "of random rows")
     p.add_argument("--tuning", default="", help="a variant name of the op's benchmark sweep")
-    p.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8_ds_mla"),
+    p.add_argument("--kv-format", default=kvf.BF16, choices=kvf.KV_FORMATS,
                    help="attention: the KV rows' format (fp8_ds_mla: the bf16 pool quantized)")
     p.add_argument("--splits", type=int, default=0,
                    help="attention: K splits per (row, head block) (`num_splits`; 0 = the "
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--n, --h and --rows must be >= 1")
     if args.pool_gib < 0:
         p.error(f"--pool-gib must be >= 0, got {args.pool_gib}")
-    if args.kv_format != "bf16" and args.op != "attention":
+    if args.kv_format != kvf.BF16 and args.op != "attention":
         p.error(f"--kv-format is for attention, got {args.kv_format!r} for {args.op}")
     if args.splits < 0 or (args.splits and args.op != "attention"):
         p.error(f"--splits is for attention and must be >= 0, got {args.splits}")

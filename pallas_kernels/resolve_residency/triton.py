@@ -44,9 +44,9 @@ class ResolveTuning:
     cached_loads: read the row's scratch (hash table, marks) with ordinary loads that may
       hit L1, instead of volatile ones that go to L2 (every such read follows a barrier
       after the writes it must see, which orders them for the CTA under the PTX memory
-      model: one CTA writes and reads a row's scratch, on one SM). On by default: the
-      fastest exact candidate of every H200 sweep at N=64 and N=256; False gives volatile
-      loads (`bench/NOTES-data_plane.md`).
+      model: one CTA writes and reads a row's scratch, on one SM). On by default: faster
+      than volatile loads at N=256 in every H200 sweep and at N=64 in all but one;
+      False gives volatile loads (`bench/NOTES-data_plane.md`).
     """
 
     num_warps: int = 16

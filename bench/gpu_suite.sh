@@ -132,7 +132,8 @@ run_step() {  # name, time limit in s, command...
       speculative) run_step speculative "${SPEC_LIMIT:-590}" python3 -m bench.speculative --time-budget "${SPEC_BUDGET:-500}" ;;
       engine_gpu) run_step engine_gpu 420 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k gpu_scale tests/test_engine.py ;;
       # Nsight Compute profiles of single kernel launches (bench/ncu_kernels.py): attention at
-      # N=64 with h_q 128 and 16, at N=256 h_q 128 and N=1, resolve at N=64 and 256, the host
+      # N=64 with h_q 128 and 16, at N=256 h_q 128 and N=1, resolve at N=64 and 256 (the search
+      # rule and the position map rule), the host
       # gather at the rows of a 256-request e2e step (NCU_CASES picks; gather-step, gather-16g,
       # gather-step-16g are extra; NCU_RESOLVE_VARIANTS: resolve sweep candidates at N=256).
       # Reports: bench/results/ncu-*-gpu.txt.
@@ -145,7 +146,7 @@ run_step() {  # name, time limit in s, command...
           echo "ncu exit $?"; tail -3 "/tmp/ncu-$name.log"
           ncu --import "/tmp/ncu-$name.ncu-rep" --page details --print-details all > "bench/results/ncu-$name-gpu.txt" 2>&1
         }
-        for case in ${NCU_CASES:-attn-n64-h128 attn-n64-h16 attn-n256-h128 resolve-n64 resolve-n256 gather}; do
+        for case in ${NCU_CASES:-attn-n64-h128 attn-n64-h16 attn-n256-h128 resolve-n64 resolve-n256 resolve-map-n64 resolve-map-n256 gather}; do
           case $case in
             attn-n64-h128) one $case sparse_mla_decode attention --n 64 --h 128 ;;
             attn-n64-h16) one $case sparse_mla_decode attention --n 64 --h 16 ;;
@@ -154,6 +155,8 @@ run_step() {  # name, time limit in s, command...
             attn-n64-h128-fp8) one $case sparse_mla_decode attention --n 64 --h 128 --kv-format fp8_ds_mla ;;
             resolve-n64) one $case resolve resolve --n 64 ;;
             resolve-n256) one $case resolve resolve --n 256 ;;
+            resolve-map-n64) one $case resolve resolve --n 64 --rule map ;;
+            resolve-map-n256) one $case resolve resolve --n 256 --rule map ;;
             gather) one gather-27648 hisparse_gather gather --rows 27648 ;;
             # The same rows as the plan of an engine step (256 x 2048 entries, 108 misses each),
             # and both from a 16 GiB pool (the pool of an e2e run at 256 requests is ~19 GB).

@@ -3,16 +3,18 @@
   ncu --clock-control none --kernel-name regex:hisparse --launch-skip 2 --launch-count 1 \\
       python3 -m bench.ncu_kernels attention --n 64 --h 128 [--tuning bk32_s3] [--splits 8] \\
           [--kv-format fp8_ds_mla]
-  ... python3 -m bench.ncu_kernels resolve --n 64
+  ... python3 -m bench.ncu_kernels resolve --n 64 [--rule map]
   ... python3 -m bench.ncu_kernels gather --rows 27648 [--plan step] [--pool-gib 16]
 
 Runs the op three times on the same inputs (compile, warm, then the launch the profiler is
 told to take with --launch-skip 2), blocks after each, prints the wall time of the last. The
 inputs are the op benchmarks' (`bench/ops/*`): attention over a 604 MB pool of random bf16
 rows with 2% holes, resolve over 3 chained decode steps of drifting top-k (the profiled
-launch is the third, on a warm LRU), gather of random rows of a pinned_host pool, as one
-dense plan or as an engine step's (256 batch rows with a few misses each: the kernel's grid
-has one program per 16 entries of every row, most with nothing to copy), from the
+launch is the third, on a warm LRU; `--rule map`: the position map kernel,
+`resolve_residency_mapped`, on the map those steps built), gather of random rows of a
+pinned_host pool, as one dense plan or as an engine step's (256 batch rows with a few
+misses each: the kernel's grid has one program per 16 entries of every row, most with
+nothing to copy), from the
 benchmark's 604 MB pool or a larger one (`--pool-gib`). HISPARSE_BENCH_SMALL=1: the
 benchmarks' small CPU shapes, kernels interpreted. The suite step `ncu`
 (`bench/gpu_suite.sh`) runs it under ncu per shape; what the profiles said is in
@@ -70,13 +72,18 @@ def _resolve(args) -> list:
     tables = (jnp.arange(args.n, dtype=jnp.int32), hot_table, src_table, res_table)
     state = hj.init_hot_state(hj.HiSparseConfig(top_k=k, hot_size=hot, block_size=BLOCK,
                                                 max_num_reqs=args.n))
-    step = jax.jit(bench._step(tuning, tables, host_rows))
-    carry = [state.slot_rows, state.lru]
+    if args.rule == "map":
+        step = jax.jit(bench._mapped_step(tuning, tables, host_rows))
+        carry = [state.slot_rows, state.lru,
+                 jnp.full((args.n, src_table.shape[1] * BLOCK), -1, jnp.int16)]
+    else:
+        step = jax.jit(bench._step(tuning, tables, host_rows))
+        carry = [state.slot_rows, state.lru]
 
     def call(i):
         def run():
-            outs = step(carry[0], carry[1], topks[i])
-            carry[:] = [outs[6], outs[7]]
+            outs = step(*carry, topks[i])
+            carry[:] = outs[6:6 + len(carry)]
             return outs
         return run
     return [call(i) for i in range(3)]
@@ -138,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="gather: host pool size in GiB (zeros); 0 = the benchmark's 604 MB "
                         "of random rows")
     p.add_argument("--tuning", default="", help="a variant name of the op's benchmark sweep")
+    p.add_argument("--rule", default="search", choices=("search", "map"),
+                   help="resolve: the search rule (no position map) or the position map rule")
     p.add_argument("--kv-format", default=kvf.BF16, choices=kvf.KV_FORMATS,
                    help="attention: the KV rows' format (fp8_ds_mla: the bf16 pool quantized)")
     p.add_argument("--splits", type=int, default=0,
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--pool-gib must be >= 0, got {args.pool_gib}")
     if args.kv_format != kvf.BF16 and args.op != "attention":
         p.error(f"--kv-format is for attention, got {args.kv_format!r} for {args.op}")
+    if args.rule != "search" and args.op != "resolve":
+        p.error(f"--rule is for resolve, got {args.rule!r} for {args.op}")
     if args.splits < 0 or (args.splits and args.op != "attention"):
         p.error(f"--splits is for attention and must be >= 0, got {args.splits}")
     t = 0.0

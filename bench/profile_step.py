@@ -439,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="EngineConfig.async_scheduling (step t + 1 dispatched before step t "
                         "is collected)")
     p.add_argument("--hot-size", type=int, default=None)
+    p.add_argument("--no-position-map", action="store_true",
+                   help="hot states without the position map (resolve searches the hot region)")
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=8)
@@ -510,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             "running": len(engine.running), "seats": engine.config.max_seats,
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
                        "turnover": args.turnover, "prefill": "synthetic",
-                       "async_scheduling": args.async_scheduling, **sizes},
+                       "async_scheduling": args.async_scheduling,
+                       "position_map": not args.no_position_map, **sizes},
             "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device, "isolated": isolated,

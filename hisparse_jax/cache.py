@@ -31,7 +31,8 @@ B rows per page, W row width, Ws stored row width):
   * `HiSparseKVCache.caches[l]`: [num_blocks, B, Ws] (storage dtype), layer l's device KV cache:
     resident pages and hot regions of every request; flat row r is `[r // B, r % B]`; block 0
     is the null block (never read through a table). Donated with the cache at a jit boundary.
-  * `HiSparseKVCache.hot[g]`: the `HotState` (int32/int16[S, H]) of index group g.
+  * `HiSparseKVCache.hot[g]`: the `HotState` (int32/int16[S, H], and the position map
+    int16[S, P] when the config keeps one) of index group g.
   * `CacheBatch`: per-step inputs, read only: state_rows int32[N] (-1: padding row),
     positions int32[N] (the position each batch row writes this step), the batch rows'
     block-table rows src / res int32[N, P] and hot int32[N, Hb] (0: null block), and the
@@ -133,7 +134,12 @@ class NaiveOffload:
 
     def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
                batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
-        return cache._resolve_and_gather(group, empty_like(cache.hot[group]), topk, batch)
+        old = cache.hot[group]
+        cache, found = cache._resolve_and_gather(group, empty_like(old), topk, batch)
+        # Every step starts empty: the state is never read again. Its position map (if any)
+        # stays, so the cache's pytree keeps its structure (one trace).
+        hot = dataclasses.replace(cache.hot[group], pos_slot=old.pos_slot)
+        return dataclasses.replace(cache, hot=_replace(cache.hot, group, hot)), found
 
 
 Residency = AllResident | HiSparse | NaiveOffload

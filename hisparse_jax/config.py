@@ -46,6 +46,11 @@ class HiSparseConfig:
         request has `query_rows_per_request = 1 + num_speculative_tokens` query rows per step,
         resolved as one union (`docs/semantics.md`), so the hot region must hold
         `query_rows_per_request * top_k` rows.
+      position_map: keep a position map in each hot state (default True): int16[S,
+        max_pages * B], the slot each position was last copied to, so that a resolve looks
+        each selected row up once instead of searching the hot region
+        (`resolve_residency`, `docs/semantics.md`; 2 bytes per position, per request and
+        index group). Needs max_model_len; False (or max_model_len None): the search rule.
     The three optional sizes are not validated here (the parts that use them check them).
     """
 
@@ -60,6 +65,7 @@ class HiSparseConfig:
     num_gpu_blocks: int | None = None
     num_host_blocks: int | None = None
     num_speculative_tokens: int = 0
+    position_map: bool = True
 
     def __post_init__(self) -> None:
         for name in ("top_k", "hot_size", "block_size", "max_num_reqs", "row_width"):
@@ -68,6 +74,9 @@ class HiSparseConfig:
                 raise ValueError(f"HiSparseConfig.{name} must be a positive int, got {value!r}")
         check_int("HiSparseConfig", "num_speculative_tokens", self.num_speculative_tokens,
                   minimum=0)
+        if not isinstance(self.position_map, (bool, np.bool_)):
+            raise ValueError(f"HiSparseConfig.position_map must be a bool, got "
+                             f"{self.position_map!r}")
         if not self.top_k <= self.hot_size:
             raise ValueError(
                 f"HiSparseConfig.hot_size must be >= top_k (each miss needs its own slot), "

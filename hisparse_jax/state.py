@@ -31,11 +31,18 @@ class HotState:
     Attributes:
       slot_rows: int32[S, H], host row held by each hot slot, -1 when empty.
       lru: int16[S, H], a permutation of the slot ids, position 0 the oldest.
+      pos_slot: int16[S, P] or None, the position map: the slot each position t < P of the
+        row's request was last copied to (-1: none). With it, `resolve_residency` looks a
+        selected position up there instead of searching the slots (the same results on
+        every state the ops reach, `docs/semantics.md`). Entries go stale when their slot
+        is emptied or refilled; a stale entry is never a hit, so resets and invalidations
+        leave the map as it is.
     Shared by all layers of an index group: the leader layer resolves, followers replay.
     """
 
     slot_rows: jax.Array
     lru: jax.Array
+    pos_slot: jax.Array | None = None
 
     @property
     def max_num_reqs(self) -> int:
@@ -56,12 +63,19 @@ def _empty(num_rows: int, hot_size: int) -> HotState:
 
 
 def init_hot_state(cfg: HiSparseConfig) -> HotState:
-    """Every slot empty, LRU = arange(H) for every state row."""
-    return _empty(cfg.max_num_reqs, cfg.hot_size)
+    """Every slot empty, LRU = arange(H) for every state row; with `cfg.position_map` and a
+    known max_model_len, an empty position map int16[S, max_pages * B] too."""
+    state = _empty(cfg.max_num_reqs, cfg.hot_size)
+    if cfg.position_map and cfg.max_model_len is not None:
+        width = cfg.max_pages * cfg.block_size
+        state = dataclasses.replace(
+            state, pos_slot=jnp.full((cfg.max_num_reqs, width), -1, jnp.int16))
+    return state
 
 
 def empty_like(state: HotState) -> HotState:
-    """A state of the same shape with every row empty (usable inside jit)."""
+    """A state of the same shape with every row empty (usable inside jit), without a
+    position map (an empty state has nothing to look up: every pending row misses)."""
     return _empty(state.max_num_reqs, state.hot_size)
 
 
@@ -75,7 +89,8 @@ def reset_rows(state: HotState, rows: jax.Array) -> HotState:
     num_rows, hot_size = state.slot_rows.shape
     rows = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows)  # out of range: dropped
     fresh = _empty(rows.shape[0], hot_size)
-    return HotState(
+    return dataclasses.replace(      # the position map's entries of these rows go stale
+        state,
         slot_rows=state.slot_rows.at[rows].set(fresh.slot_rows, mode="drop"),
         lru=state.lru.at[rows].set(fresh.lru, mode="drop"),
     )

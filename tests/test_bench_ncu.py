@@ -20,6 +20,7 @@ def _run(*args: str):
                                   ("attention", "--n", "2", "--h", "16", "--kv-format",
                                    "fp8_ds_mla"),
                                   ("resolve", "--n", "2"),
+                                  ("resolve", "--n", "2", "--rule", "map"),
                                   ("gather", "--rows", "256"),
                                   ("gather", "--rows", "512", "--plan", "step",
                                    "--pool-gib", "0.01")])
@@ -34,6 +35,7 @@ def test_each_op_runs_its_three_calls(args):
                                         (("attention", "--tuning", "bk7"), "--tuning"),
                                         (("resolve", "--tuning", "w3"), "--tuning"),
                                         (("resolve", "--splits", "2"), "--splits"),
+                                        (("attention", "--rule", "map"), "--rule"),
                                         (("gather", "--kv-format", "fp8_ds_mla"),
                                          "--kv-format"),
                                         (("attention", "--splits", "-1"), "--splits")])

@@ -4,6 +4,10 @@ Run on the GPU machine: `PYTHONPATH=. python3 -m bench.ops.resolve_residency` (a
 on an H200). Writes `bench/results/resolve_residency-<backend>.json`; each figure carries its
 baseline from the same run and the ratio, plus the issue's target.
 
+  * the position map rule (`resolve_residency_mapped`, the default with a map) against the
+    search rule's default kernel at N=64 and 256, both checked exact first, and
+    `MAPPED_VARIANTS` (`bench_mapped`); HISPARSE_RESOLVE_MAPPED_ONLY=1 runs only this and
+    writes `resolve_residency_mapped-<backend>.json`;
   * sweep: `RESOLVE_VARIANTS` at N=64 and N=256 (K=2048, H=4096); each candidate is first
     checked for exact equality (all 8 outputs) with the jnp reference over 4 chained decode
     steps from a cold state, then timed; the best by the sum of device time / target over
@@ -22,6 +26,7 @@ baseline from the same run and the ratio, plus the issue's target.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -355,9 +360,131 @@ def bench_union(run: Run, requests: int, rng, r: int = 2, steps: int = 8) -> dic
     return out
 
 
+# Tunings of the position map kernel timed beside its default (`bench_mapped`): no hash table
+# (table_factor unused); 8 / 32 warps per row and volatile scratch loads.
+MAPPED_VARIANTS: dict[str, ResolveTuning] = {
+    "w8_c4096_l1": ResolveTuning(num_warps=8, chunk=4096),
+    "w32_c4096_l1": ResolveTuning(num_warps=32, chunk=4096),
+    "w16_c4096": ResolveTuning(num_warps=16, chunk=4096, cached_loads=False),
+}
+
+
+def _mapped_step(tuning, tables, host_rows):
+    """(slot_rows, lru, pos_slot, topk) -> the 9 outputs of one resolve under the position
+    map rule; tuning None = its reference."""
+    state_rows, hot_table, src_table, res_table = tables
+    kw = dict(block_size=BLOCK, host_rows=host_rows)
+    if tuning is None:
+        return lambda slots, lru, pmap, topk: reference.resolve_residency_mapped(
+            slots, lru, pmap, topk, state_rows, hot_table, src_table, res_table, **kw)
+    return lambda slots, lru, pmap, topk: kernel.resolve_residency_mapped(
+        slots, lru, pmap, topk, state_rows, hot_table, src_table, res_table,
+        interpret=INTERPRET, tuning=tuning, **kw)
+
+
+def _mapped_chain(step_fn):
+    """`_chain` for the 9-output map rule (state: the last three outputs)."""
+    @jax.jit
+    def chained(slots, lru, pmap, topks, iters):
+        def body(i, carry):
+            return tuple(step_fn(*carry[6:9], topks[i % topks.shape[0]]))
+        first = step_fn(slots, lru, pmap, topks[0])
+        return jax.lax.fori_loop(1, iters, body, tuple(first))
+    return chained
+
+
+def bench_mapped(run: Run, rng) -> dict[str, Any]:
+    """The position map rule (`resolve_residency_mapped`) against the search kernel's
+    default, same inputs and warm state, N=64 and 256 (K=2048, H=4096): both checked exact
+    first (the map rule's kernel against its reference and against the search reference
+    over 4 chained steps from an empty state), then device us per step, chained and
+    unrolled."""
+    k, hot = (64, 128) if SMALL else (2048, 4096)
+    sizes = (2,) if SMALL else (64, 256)
+    chain = 3 if SMALL else 51
+    unrolled = 3 if SMALL else 16
+    out: dict[str, Any] = {"K": k, "H": hot, "tuning": repr(kernel.DEFAULT)}
+    for n in sizes:
+        topks, src_table, hot_table, res_table, host_rows = _inputs(n, k, hot, rng, 4)
+        tables = (jnp.arange(n, dtype=jnp.int32), hot_table, src_table, res_table)
+        state = hj.init_hot_state(hj.HiSparseConfig(top_k=k, hot_size=hot, block_size=BLOCK,
+                                                    max_num_reqs=n))
+        pmap = jnp.full((n, src_table.shape[1] * BLOCK), -1, jnp.int16)
+        four = jnp.int32(4)
+        search = _chain(_step(kernel.DEFAULT, tables, host_rows))
+        mapped = _mapped_chain(_mapped_step(kernel.DEFAULT, tables, host_rows))
+        want = [np.asarray(x) for x in _chain(_step(None, tables, host_rows))(
+            state.slot_rows, state.lru, topks, four)]
+        want_map = [np.asarray(x) for x in _mapped_chain(_mapped_step(None, tables, host_rows))(
+            state.slot_rows, state.lru, pmap, topks, four)]
+        got_search = search(state.slot_rows, state.lru, topks, four)
+        got = mapped(state.slot_rows, state.lru, pmap, topks, four)
+        entry: dict[str, Any] = {
+            "mapped_equals_its_reference": all(
+                np.array_equal(np.asarray(a), b) for a, b in zip(got, want_map, strict=True)),
+            "mapped_equals_search_reference": all(
+                np.array_equal(np.asarray(a), b) for a, b in zip(got[:8], want, strict=True)),
+            "search_equals_reference": all(
+                np.array_equal(np.asarray(a), b) for a, b in zip(got_search, want,
+                                                                 strict=True)),
+            "hit_rate_last_checked_step": float(np.sum(want[5]) / max(
+                1, np.sum(want[5]) + np.sum(want[4]))),
+            "map_bytes_per_state_row": int(pmap.shape[1] * 2),
+        }
+        out[f"N{n}"] = entry
+        if not (entry["mapped_equals_its_reference"] and entry["mapped_equals_search_reference"]
+                and entry["search_equals_reference"]):
+            raise AssertionError(f"N={n}: not exact: {entry}")
+        entry["search_device_us"] = chain_us(search, (got_search[6], got_search[7], topks),
+                                             chain)
+        entry["mapped_device_us"] = chain_us(mapped, (got[6], got[7], got[8], topks), chain)
+        s_step = _step(kernel.DEFAULT, tables, host_rows)
+        m_step = _mapped_step(kernel.DEFAULT, tables, host_rows)
+        entry["search_device_us_unrolled"] = unrolled_us(
+            lambda c, i, f=s_step, tk=topks: tuple(f(c[6], c[7], tk[i % tk.shape[0]])),
+            tuple(got_search), unrolled)
+        entry["mapped_device_us_unrolled"] = unrolled_us(
+            lambda c, i, f=m_step, tk=topks: tuple(f(c[6], c[7], c[8], tk[i % tk.shape[0]])),
+            tuple(got), unrolled)
+        for name, tuning in ({} if SMALL else MAPPED_VARIANTS).items():
+            try:
+                chained = _mapped_chain(_mapped_step(tuning, tables, host_rows))
+                again = chained(state.slot_rows, state.lru, pmap, topks, four)
+                if not all(np.array_equal(np.asarray(a), b)
+                           for a, b in zip(again, want_map, strict=True)):
+                    entry[f"variant_{name}"] = "not exact"
+                    continue
+                entry[f"variant_{name}_device_us"] = chain_us(
+                    chained, (again[6], again[7], again[8], topks), chain)["us_per_step"]
+            except Exception as e:  # noqa: BLE001 - a failing candidate must not stop the run
+                entry[f"variant_{name}"] = f"{type(e).__name__}: {e}"[:500]
+        base = entry["search_device_us"]["us_per_step"]
+        fig = entry["mapped_device_us"]["us_per_step"]
+        entry.update(speedup_chained=base / fig,
+                     speedup_unrolled=entry["search_device_us_unrolled"]
+                     / entry["mapped_device_us_unrolled"],
+                     target_device_us=TARGET_DEVICE_US.get(n))
+        run.table.append(
+            f"  resolve N={n}: map rule {fig:6.1f} us chained / "
+            f"{entry['mapped_device_us_unrolled']:6.1f} unrolled; search default {base:6.1f} / "
+            f"{entry['search_device_us_unrolled']:6.1f} -> {entry['speedup_chained']:.2f}x / "
+            f"{entry['speedup_unrolled']:.2f}x (target {TARGET_DEVICE_US.get(n)}); variants "
+            + ", ".join(f"{v} {entry.get(f'variant_{v}_device_us', float('nan')):.1f}"
+                        for v in ({} if SMALL else MAPPED_VARIANTS)))
+        print(run.table[-1], flush=True)
+    return out
+
+
 def main() -> None:
-    run = Run("resolve_residency", sweep_budget_s=SWEEP_BUDGET_S)
     rng = np.random.default_rng(0)
+    if os.environ.get("HISPARSE_RESOLVE_MAPPED_ONLY") == "1":   # the map rule alone: ~1 min
+        run = Run("resolve_residency_mapped", sweep_budget_s=SWEEP_BUDGET_S)
+        run.record("mapped_vs_search", lambda: bench_mapped(run, rng))
+        run.finish(())
+        return
+    run = Run("resolve_residency", sweep_budget_s=SWEEP_BUDGET_S)
+    run.table.append("position map rule against the search rule (device us per step):")
+    run.record("mapped_vs_search", lambda: bench_mapped(run, rng))
     run.table.append("tuning sweep (device us per step):")
     run.record("sweep_resolve", lambda: sweep(run, rng))
     jax.clear_caches()

@@ -149,6 +149,10 @@ class EngineConfig:
         swap plan then reads each selected host row once for all its layers, and a random
         pinned-host row costs a fixed overhead beside its bytes (`docs/host_pool.md`). False:
         one array per layer. Nothing changes for groups of one layer.
+      position_map: each hot state keeps a position map (`HiSparseConfig.position_map`,
+        default True): resolve looks every selected row up once instead of searching the
+        hot region (`docs/semantics.md`), for 2 bytes per position, per seat and index
+        group (max_seats * max_model_len * 2 bytes each). False: the search rule.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -181,6 +185,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_hit_pages: str = "restore"
     pack_host_layers: bool = True
+    position_map: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -205,7 +210,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
                      "compilation_cache", "union_resolution", "async_scheduling",
-                     "enable_prefix_caching", "pack_host_layers"):
+                     "enable_prefix_caching", "pack_host_layers", "position_map"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -382,4 +387,6 @@ class EngineConfig:
                               max_num_reqs=S, row_width=mc.row_width, kv_dtype=mc.kv_dtype,
                               kv_format=self.kv_format, num_speculative_tokens=k,
                               max_model_len=self.max_model_len, num_gpu_blocks=gpu_blocks,
-                              num_host_blocks=host_blocks)
+                              num_host_blocks=host_blocks,
+                              position_map=self.position_map and not (self.all_resident
+                                                                    or self.naive_offload))

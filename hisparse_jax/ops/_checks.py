@@ -121,6 +121,14 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
         check_array(name, table, ndim=2, dtype=jnp.int32)
         if table.shape[0] != n or table.shape[1] < 1:
             raise ValueError(f"{name} must be [N={n}, >= 1], got {tuple(table.shape)}")
+    if state.pos_slot is not None:
+        check_array("state.pos_slot", state.pos_slot, ndim=2, dtype=jnp.int16)
+        width = source_block_table.shape[1] * block_size
+        if state.pos_slot.shape[0] != num_state_rows or state.pos_slot.shape[1] < width:
+            raise ValueError(
+                f"state.pos_slot must be [S={num_state_rows}, >= P] with P = "
+                f"source_block_table's width * block_size = {width} (a position each page "
+                f"of the table can hold), got {tuple(state.pos_slot.shape)}")
     if is_concrete(state_rows):
         rows = np.asarray(state_rows)
         if r > 1:

@@ -35,6 +35,7 @@ _DEPRECATED_ALIASES = {"pallas": "triton"}
 # named after the op (gather_compact_group lives beside gather_compact).
 _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "resolve_residency": ("resolve_residency", ("reference", "triton")),
+    "resolve_residency_mapped": ("resolve_residency", ("reference", "triton")),
     "invalidate_written_rows": ("invalidate_written_rows", ("reference", "triton")),
     "gather_compact": ("gather_compact", ("reference", "triton")),
     "gather_compact_group": ("gather_compact", ("reference", "triton")),
@@ -48,6 +49,7 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
 # (`bench/NOTES-sparse_mla.md`).
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "resolve_residency": ("triton", "reference"),
+    "resolve_residency_mapped": ("triton", "reference"),
     "invalidate_written_rows": ("triton", "reference"),
     "gather_compact": ("triton", "reference"),
     "gather_compact_group": ("triton", "reference"),

@@ -47,13 +47,18 @@ class Resolution:
                    static_argnames=("block_size", "backend", "query_rows_per_request"))
 def _resolve(state, topk, state_rows, hot_block_table, source_block_table,
              resident_block_table, *, block_size, host_rows, backend, query_rows_per_request):
-    (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits, slot_rows,
-     lru) = _registry.implementation("resolve_residency", backend)(
-        state.slot_rows, state.lru, topk, state_rows, hot_block_table, source_block_table,
-        resident_block_table, block_size=block_size, host_rows=host_rows,
-        query_rows_per_request=query_rows_per_request)
-    return (Resolution(attention_rows, valid_counts, swap_src, swap_dst, swap_counts,
-                       num_hits), HotState(slot_rows, lru))
+    kw = dict(block_size=block_size, host_rows=host_rows,
+              query_rows_per_request=query_rows_per_request)
+    tables = (topk, state_rows, hot_block_table, source_block_table, resident_block_table)
+    if state.pos_slot is None:
+        outs = _registry.implementation("resolve_residency", backend)(
+            state.slot_rows, state.lru, *tables, **kw)
+        new_state = HotState(outs[6], outs[7])
+    else:
+        outs = _registry.implementation("resolve_residency_mapped", backend)(
+            state.slot_rows, state.lru, state.pos_slot, *tables, **kw)
+        new_state = HotState(outs[6], outs[7], outs[8])
+    return Resolution(*outs[:6]), new_state
 
 
 def resolve_residency(
@@ -73,7 +78,11 @@ def resolve_residency(
     """Maps each selected position to a device row, updating the hot-region LRU.
 
     Args:
-      state: the hot state (slot_rows int32[S, H], lru int16[S, H]).
+      state: the hot state (slot_rows int32[S, H], lru int16[S, H], and the position map
+        pos_slot int16[S, P] or None). With the map, a pending position is looked up in it
+        (`resolve_residency_mapped` of the kernels: one lookup per selected row, no search
+        of the slots) and the map is updated; the results equal the search rule's on every
+        state these ops reach (`docs/semantics.md`). P >= source_block_table's width * B.
       topk: int32[N, K] selected logical positions per batch row (-1 = none), 1 <= K and
         query_rows_per_request * K <= H; valid host rows must be unique within a row.
       state_rows: int32[N], hot-state row of each batch row; -1 marks a padding row; the live
@@ -108,10 +117,13 @@ def resolve_residency(
         _checks.validate_resolve_values(state, topk, state_rows, hot_block_table,
                                         source_block_table, block_size, host_rows,
                                         resident_block_table, query_rows_per_request)
+    op = "resolve_residency" if state.pos_slot is None else "resolve_residency_mapped"
+    state_args = ((state.slot_rows, state.lru) if state.pos_slot is None
+                  else (state.slot_rows, state.lru, state.pos_slot))
     backend = _registry.select(
-        "resolve_residency", backend, state.slot_rows, state.lru, topk, state_rows,
-        hot_block_table, source_block_table, resident_block_table, block_size=block_size,
-        host_rows=host_rows, query_rows_per_request=query_rows_per_request)
+        op, backend, *state_args, topk, state_rows, hot_block_table, source_block_table,
+        resident_block_table, block_size=block_size, host_rows=host_rows,
+        query_rows_per_request=query_rows_per_request)
     return _resolve(state, topk, state_rows, hot_block_table, source_block_table,
                     resident_block_table, block_size=int(block_size),
                     host_rows=jnp.int32(host_rows), backend=backend,
@@ -122,7 +134,8 @@ def resolve_residency(
 def _invalidate(state, state_rows_per_token, written_rows, *, backend):
     slot_rows = _registry.implementation("invalidate_written_rows", backend)(
         state.slot_rows, state_rows_per_token, written_rows)
-    return HotState(slot_rows, state.lru)
+    # The position map's entries of emptied slots go stale (never a hit): kept as is.
+    return dataclasses.replace(state, slot_rows=slot_rows)
 
 
 def invalidate_written_rows(

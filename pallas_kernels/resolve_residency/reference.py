@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._rows import flat_rows
-from pallas_kernels.resolve_residency.union import resolve_union
+from pallas_kernels.resolve_residency.union import resolve_union, resolve_union_mapped
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -41,6 +41,34 @@ def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
     pos = jnp.clip(jnp.searchsorted(sorted_key, cached), 0, k - 1)
     hit = (cached >= 0) & (sorted_key[pos] == cached) & pending[order[pos]]  # by LRU position
     hit_col = jnp.where(hit, order[pos], k)                      # column served by the slot
+    return _finish_row(g, res, pending, hit, hit_col, slot_rows, lru, hot_table, block_size)
+
+
+def _resolve_row_mapped(g, res, positions, row_map, slot_rows, lru, hot_table, block_size):
+    """One live batch row under the position map rule (`resolve_residency_mapped`).
+    positions: int32[K]; row_map: int16[P], the slot each position was last copied to."""
+    k = g.shape[0]
+    h = slot_rows.shape[0]
+    width = row_map.shape[0]
+    pending = (res < 0) & (g >= 0)
+    in_map = pending & (positions >= 0) & (positions < width)
+    j = jnp.where(in_map, row_map[jnp.clip(positions, 0, width - 1)].astype(jnp.int32), -1)
+    j_ok = (j >= 0) & (j < h)
+    candidate = j_ok & (slot_rows[jnp.clip(j, 0, h - 1)] == g)
+    # The column each slot is a candidate of (k: none); a hit is a walked candidate slot.
+    mark = jnp.full((h,), k, jnp.int32).at[jnp.where(candidate, j, h)].set(
+        jnp.arange(k, dtype=jnp.int32), mode="drop")
+    slot_in_range = (lru >= 0) & (lru < h)
+    hit_col = jnp.where(slot_in_range, mark[jnp.clip(lru, 0, h - 1)], k)
+    hit = hit_col < k
+    return _finish_row(g, res, pending, hit, hit_col, slot_rows, lru, hot_table, block_size)
+
+
+def _finish_row(g, res, pending, hit, hit_col, slot_rows, lru, hot_table, block_size):
+    """Steps 4-5 of a row, from its hits by LRU position (hit_col: the column each hit slot
+    serves, K elsewhere). Also returns the slot each miss column was copied to (-1 else)."""
+    k = g.shape[0]
+    h = slot_rows.shape[0]
 
     def device_row(slot):
         block = hot_table[jnp.clip(slot, 0, h - 1) // block_size]
@@ -71,7 +99,8 @@ def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
     swap_dst = jnp.full((k,), -1, jnp.int32).at[dst_idx].set(miss_dev, mode="drop")
 
     # Slots just filled now hold their g (out-of-range slot ids write nothing).
-    fill_at = jnp.where(miss & miss_slot_ok, miss_slot, h)
+    filled = miss & miss_slot_ok
+    fill_at = jnp.where(filled, miss_slot, h)
     new_slot_rows = slot_rows.at[fill_at].set(g, mode="drop")
 
     # New LRU order: evictables ranked >= num_miss, then ranked < num_miss, then hits.
@@ -84,7 +113,8 @@ def _resolve_row(g, res, slot_rows, lru, hot_table, block_size):
     new_lru = jnp.zeros((h,), jnp.int32).at[new_pos].set(lru)
 
     return (out, swap_src, swap_dst, num_miss.astype(jnp.int32),
-            jnp.sum(hit).astype(jnp.int32), new_slot_rows, new_lru)
+            jnp.sum(hit).astype(jnp.int32), new_slot_rows, new_lru,
+            jnp.where(filled, miss_slot, -1))
 
 
 def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
@@ -115,6 +145,43 @@ def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
             resolve_residency, slot_rows, lru, topk, state_rows, hot_block_table,
             source_block_table, resident_block_table, block_size=block_size,
             host_rows=host_rows, rows_per_request=query_rows_per_request)
+    return _resolve_batch(slot_rows, lru, None, topk, state_rows, hot_block_table,
+                          source_block_table, resident_block_table, block_size=block_size,
+                          host_rows=host_rows)[:8]
+
+
+def resolve_residency_mapped(slot_rows, lru, pos_slot, topk, state_rows, hot_block_table,
+                             source_block_table, resident_block_table, *, block_size,
+                             host_rows, query_rows_per_request: int = 1):
+    """Reference resolve under the position map rule: `resolve_residency` with the hot
+    state's position map `pos_slot` int16[S, P] (P >= the source table's width * B).
+
+    `pos_slot[s, t]` names the slot position t of state row s was last copied to (-1: none).
+    The hit rule reads it instead of searching the slots: a pending column at position t is
+    a hit when j = pos_slot[s, t] is a slot id in [0, H), slot_rows[s, j] holds the column's
+    host row, and j is walked (it sits in the LRU); everything else follows
+    `resolve_residency` (evictables, misses, the new LRU). Each miss copied into slot j sets
+    pos_slot[s, t] = j. A stale entry (its slot emptied or refilled since) is never a hit.
+
+    Equal to `resolve_residency` on every state in which each slot holding a host row of a
+    position t is the one pos_slot[s, t] names; resolves (this rule) keep that, invalidation
+    and resets only empty slots, so every state the ops reach from an empty state has it.
+    Returns the 8 outputs of `resolve_residency`, then the new pos_slot.
+    """
+    if query_rows_per_request > 1:
+        return resolve_union_mapped(
+            resolve_residency_mapped, slot_rows, lru, pos_slot, topk, state_rows,
+            hot_block_table, source_block_table, resident_block_table, block_size=block_size,
+            host_rows=host_rows, rows_per_request=query_rows_per_request)
+    return _resolve_batch(slot_rows, lru, pos_slot, topk, state_rows, hot_block_table,
+                          source_block_table, resident_block_table, block_size=block_size,
+                          host_rows=host_rows)
+
+
+def _resolve_batch(slot_rows, lru, pos_slot, topk, state_rows, hot_block_table,
+                   source_block_table, resident_block_table, *, block_size, host_rows):
+    """Single-row resolve of a batch: the search rule (pos_slot None) or the map rule.
+    Returns the 8 outputs of `resolve_residency` and the new pos_slot (None without)."""
     num_state_rows, h = slot_rows.shape
     n, k = topk.shape
     g = flat_rows(source_block_table, topk, block_size)
@@ -128,9 +195,13 @@ def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
     row_slots = slot_rows[srow]
     row_lru = lru[srow].astype(jnp.int32)
 
-    out, swap_src, swap_dst, swap_counts, num_hits, new_rows, new_lru = jax.vmap(
-        _resolve_row, in_axes=(0, 0, 0, 0, 0, None))(
+    if pos_slot is None:
+        rows_out = jax.vmap(_resolve_row, in_axes=(0, 0, 0, 0, 0, None))(
             g, res, row_slots, row_lru, hot_block_table, block_size)
+    else:
+        rows_out = jax.vmap(_resolve_row_mapped, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(
+            g, res, topk, pos_slot[srow], row_slots, row_lru, hot_block_table, block_size)
+    out, swap_src, swap_dst, swap_counts, num_hits, new_rows, new_lru, filled = rows_out
 
     valid_counts = jnp.sum((res >= 0) | (g >= 0), axis=1, dtype=jnp.int32)
     live_col = live[:, None]
@@ -145,5 +216,13 @@ def resolve_residency(slot_rows, lru, topk, state_rows, hot_block_table,
     write_at = jnp.where(live, srow, num_state_rows)            # padding rows write nothing
     new_slot_rows = slot_rows.at[write_at].set(new_rows, mode="drop")
     new_lru_state = lru.at[write_at].set(new_lru.astype(lru.dtype), mode="drop")
+    new_pos_slot = None
+    if pos_slot is not None:
+        # Each miss's position now names its slot (positions past the map: nothing).
+        width = pos_slot.shape[1]
+        put = live_col & (filled >= 0) & (topk >= 0) & (topk < width)
+        flat = jnp.where(put, srow[:, None] * width + topk, pos_slot.size)
+        new_pos_slot = pos_slot.reshape(-1).at[flat.reshape(-1)].set(
+            filled.reshape(-1).astype(pos_slot.dtype), mode="drop").reshape(pos_slot.shape)
     return (attention_rows, valid_counts, swap_src, swap_dst, swap_counts, num_hits,
-            new_slot_rows, new_lru_state)
+            new_slot_rows, new_lru_state, new_pos_slot)

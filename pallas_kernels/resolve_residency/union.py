@@ -100,3 +100,23 @@ def resolve_union(single: Callable, slot_rows, lru, topk, state_rows, hot_block_
     valid_counts = jnp.where(live, jnp.sum(valid, axis=1, dtype=jnp.int32), 0)
     return (attention_rows.astype(jnp.int32), valid_counts, swap_src, swap_dst, swap_counts,
             num_hits, new_slot_rows, new_lru)
+
+
+def resolve_union_mapped(single: Callable, slot_rows, lru, pos_slot, topk, state_rows,
+                         hot_block_table, source_block_table, resident_block_table, *,
+                         block_size, host_rows, rows_per_request: int):
+    """`resolve_union` for the position map rule: `single` has the signature and outputs of
+    `reference.resolve_residency_mapped` (the map after the slots and the LRU, and last
+    among the outputs); the union row's positions are the ones the map is indexed by.
+    Returns `resolve_union`'s outputs, then the new pos_slot."""
+    new_map = []
+
+    def one(slots, order, union, rows, hot_table, src, res, **kw):
+        *outs, pmap = single(slots, order, pos_slot, union, rows, hot_table, src, res, **kw)
+        new_map.append(pmap)
+        return tuple(outs)
+
+    outs = resolve_union(one, slot_rows, lru, topk, state_rows, hot_block_table,
+                         source_block_table, resident_block_table, block_size=block_size,
+                         host_rows=host_rows, rows_per_request=rows_per_request)
+    return (*outs, new_map[0])

@@ -26,7 +26,8 @@ def test_vocabulary():
         assert set(ops.registered_backends(op)) <= set(ops.BACKENDS)
         assert _registry.PREFERENCE[op][-1] == "reference"
     assert ops.registered_backends("sparse_mla_decode") == ops.BACKENDS
-    assert set(_registry.ops()) == {"resolve_residency", "invalidate_written_rows",
+    assert set(_registry.ops()) == {"resolve_residency", "resolve_residency_mapped",
+                                    "invalidate_written_rows",
                                     "gather_compact", "gather_compact_group", "mirror_rows",
                                     "stage_prefill_rows", "sparse_mla_decode"}
 

@@ -134,12 +134,7 @@ class NaiveOffload:
 
     def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
                batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
-        old = cache.hot[group]
-        cache, found = cache._resolve_and_gather(group, empty_like(old), topk, batch)
-        # Every step starts empty: the state is never read again. Its position map (if any)
-        # stays, so the cache's pytree keeps its structure (one trace).
-        hot = dataclasses.replace(cache.hot[group], pos_slot=old.pos_slot)
-        return dataclasses.replace(cache, hot=_replace(cache.hot, group, hot)), found
+        return cache._resolve_and_gather(group, empty_like(cache.hot[group]), topk, batch)
 
 
 Residency = AllResident | HiSparse | NaiveOffload

@@ -74,9 +74,11 @@ def init_hot_state(cfg: HiSparseConfig) -> HotState:
 
 
 def empty_like(state: HotState) -> HotState:
-    """A state of the same shape with every row empty (usable inside jit), without a
-    position map (an empty state has nothing to look up: every pending row misses)."""
-    return _empty(state.max_num_reqs, state.hot_size)
+    """A state of the same shape with every row empty (usable inside jit). The position
+    map, if any, is kept as it is: with every slot empty none of its entries is a hit, and
+    the state keeps its pytree structure."""
+    return dataclasses.replace(_empty(state.max_num_reqs, state.hot_size),
+                               pos_slot=state.pos_slot)
 
 
 @jax.jit

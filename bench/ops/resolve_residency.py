@@ -108,13 +108,17 @@ def _step(tuning, tables, host_rows, rows_per_request=1):
         tuning=tuning, **kw)
 
 
-def _chain(step_fn):
-    """jit (slot_rows, lru, topks, iters) -> outputs of the last of `iters` chained steps."""
+def _chain(step_fn, num_state: int = 2):
+    """jit (*state, topks, iters) -> outputs of the last of `iters` chained steps; the state
+    is the `num_state` outputs after the six results (2: slot_rows, lru; 3 for the map rule:
+    and pos_slot)."""
     @jax.jit
-    def chained(slots, lru, topks, iters):
+    def chained(*args):
+        *state, topks, iters = args
+
         def body(i, carry):
-            return tuple(step_fn(carry[6], carry[7], topks[i % topks.shape[0]]))
-        first = step_fn(slots, lru, topks[0])
+            return tuple(step_fn(*carry[6:6 + num_state], topks[i % topks.shape[0]]))
+        first = step_fn(*state, topks[0])
         return jax.lax.fori_loop(1, iters, body, tuple(first))
     return chained
 
@@ -382,17 +386,6 @@ def _mapped_step(tuning, tables, host_rows):
         interpret=INTERPRET, tuning=tuning, **kw)
 
 
-def _mapped_chain(step_fn):
-    """`_chain` for the 9-output map rule (state: the last three outputs)."""
-    @jax.jit
-    def chained(slots, lru, pmap, topks, iters):
-        def body(i, carry):
-            return tuple(step_fn(*carry[6:9], topks[i % topks.shape[0]]))
-        first = step_fn(slots, lru, pmap, topks[0])
-        return jax.lax.fori_loop(1, iters, body, tuple(first))
-    return chained
-
-
 def bench_mapped(run: Run, rng) -> dict[str, Any]:
     """The position map rule (`resolve_residency_mapped`) against the search kernel's
     default, same inputs and warm state, N=64 and 256 (K=2048, H=4096): both checked exact
@@ -411,11 +404,14 @@ def bench_mapped(run: Run, rng) -> dict[str, Any]:
                                                     max_num_reqs=n))
         pmap = jnp.full((n, src_table.shape[1] * BLOCK), -1, jnp.int16)
         four = jnp.int32(4)
-        search = _chain(_step(kernel.DEFAULT, tables, host_rows))
-        mapped = _mapped_chain(_mapped_step(kernel.DEFAULT, tables, host_rows))
+        s_step = _step(kernel.DEFAULT, tables, host_rows)
+        m_step = _mapped_step(kernel.DEFAULT, tables, host_rows)
+        search = _chain(s_step)
+        mapped = _chain(m_step, num_state=3)
         want = [np.asarray(x) for x in _chain(_step(None, tables, host_rows))(
             state.slot_rows, state.lru, topks, four)]
-        want_map = [np.asarray(x) for x in _mapped_chain(_mapped_step(None, tables, host_rows))(
+        want_map = [np.asarray(x) for x in _chain(_mapped_step(None, tables, host_rows),
+                                                  num_state=3)(
             state.slot_rows, state.lru, pmap, topks, four)]
         got_search = search(state.slot_rows, state.lru, topks, four)
         got = mapped(state.slot_rows, state.lru, pmap, topks, four)
@@ -438,8 +434,6 @@ def bench_mapped(run: Run, rng) -> dict[str, Any]:
         entry["search_device_us"] = chain_us(search, (got_search[6], got_search[7], topks),
                                              chain)
         entry["mapped_device_us"] = chain_us(mapped, (got[6], got[7], got[8], topks), chain)
-        s_step = _step(kernel.DEFAULT, tables, host_rows)
-        m_step = _mapped_step(kernel.DEFAULT, tables, host_rows)
         entry["search_device_us_unrolled"] = unrolled_us(
             lambda c, i, f=s_step, tk=topks: tuple(f(c[6], c[7], tk[i % tk.shape[0]])),
             tuple(got_search), unrolled)
@@ -448,7 +442,7 @@ def bench_mapped(run: Run, rng) -> dict[str, Any]:
             tuple(got), unrolled)
         for name, tuning in ({} if SMALL else MAPPED_VARIANTS).items():
             try:
-                chained = _mapped_chain(_mapped_step(tuning, tables, host_rows))
+                chained = _chain(_mapped_step(tuning, tables, host_rows), num_state=3)
                 again = chained(state.slot_rows, state.lru, pmap, topks, four)
                 if not all(np.array_equal(np.asarray(a), b)
                            for a, b in zip(again, want_map, strict=True)):

@@ -43,22 +43,24 @@ class Resolution:
     num_hits: jax.Array
 
 
+def _rule(state: HotState) -> tuple[str, tuple[jax.Array, ...]]:
+    """The registry op of the state's resolve rule (the search rule, or the position map
+    rule when the state keeps a map) and the state arrays it takes and returns, in order."""
+    if state.pos_slot is None:
+        return "resolve_residency", (state.slot_rows, state.lru)
+    return "resolve_residency_mapped", (state.slot_rows, state.lru, state.pos_slot)
+
+
 @functools.partial(jax.jit,
                    static_argnames=("block_size", "backend", "query_rows_per_request"))
 def _resolve(state, topk, state_rows, hot_block_table, source_block_table,
              resident_block_table, *, block_size, host_rows, backend, query_rows_per_request):
-    kw = dict(block_size=block_size, host_rows=host_rows,
-              query_rows_per_request=query_rows_per_request)
-    tables = (topk, state_rows, hot_block_table, source_block_table, resident_block_table)
-    if state.pos_slot is None:
-        outs = _registry.implementation("resolve_residency", backend)(
-            state.slot_rows, state.lru, *tables, **kw)
-        new_state = HotState(outs[6], outs[7])
-    else:
-        outs = _registry.implementation("resolve_residency_mapped", backend)(
-            state.slot_rows, state.lru, state.pos_slot, *tables, **kw)
-        new_state = HotState(outs[6], outs[7], outs[8])
-    return Resolution(*outs[:6]), new_state
+    op, arrays = _rule(state)
+    outs = _registry.implementation(op, backend)(
+        *arrays, topk, state_rows, hot_block_table, source_block_table, resident_block_table,
+        block_size=block_size, host_rows=host_rows,
+        query_rows_per_request=query_rows_per_request)
+    return Resolution(*outs[:6]), HotState(*outs[6:])
 
 
 def resolve_residency(
@@ -117,11 +119,9 @@ def resolve_residency(
         _checks.validate_resolve_values(state, topk, state_rows, hot_block_table,
                                         source_block_table, block_size, host_rows,
                                         resident_block_table, query_rows_per_request)
-    op = "resolve_residency" if state.pos_slot is None else "resolve_residency_mapped"
-    state_args = ((state.slot_rows, state.lru) if state.pos_slot is None
-                  else (state.slot_rows, state.lru, state.pos_slot))
+    op, arrays = _rule(state)
     backend = _registry.select(
-        op, backend, *state_args, topk, state_rows, hot_block_table, source_block_table,
+        op, backend, *arrays, topk, state_rows, hot_block_table, source_block_table,
         resident_block_table, block_size=block_size, host_rows=host_rows,
         query_rows_per_request=query_rows_per_request)
     return _resolve(state, topk, state_rows, hot_block_table, source_block_table,

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hisparse_jax as hs
-from hisparse_jax.state import hot_updates
+from hisparse_jax.state import apply_hot_updates
+from host_tier.plan import HotInvalidation, StepPlan, TableRows, TableUpdate
 from pallas_kernels.resolve_residency import reference as ref_module
 from pallas_kernels.resolve_residency import triton as tk
 from tests.ops import INTERPRET, POISON, backends, examples, lower_for_cuda, sds
@@ -164,16 +165,17 @@ def _driver(rng, backend, steps, r=1):
             rows = jnp.asarray([state_rows[int(rng.integers(requests))], -1], jnp.int32)
             mapped, search = hs.reset_rows(mapped, rows), hs.reset_rows(search, rows)
         elif op == "move_page":
-            # A page gets a new host block (copy on write); the host tier drops the new
-            # block's rows from the request's hot state, as `apply_hot_updates` does.
+            # A page gets a new host block (copy on write); the host tier's plan drops the
+            # new block's rows from the request's hot state.
             req, page = int(rng.integers(requests)), int(rng.integers(SRC_BLOCKS))
             src[req, page] = host_blocks
             host_blocks += 1
-            packed = np.full((2 * num_state + num_state * 2,), -1, np.int32)
-            packed[num_state] = state_rows[req]
-            packed[2 * num_state] = src[req, page]
-            mapped, = hot_updates((mapped,), jnp.asarray(packed), block_size=BLOCK)
-            search, = hot_updates((search,), jnp.asarray(packed), block_size=BLOCK)
+            empty = TableRows(np.zeros(0, np.int32), np.zeros((0, 1), np.int32))
+            plan = StepPlan(step=0, writes=(), tables=TableUpdate(empty, empty, empty),
+                            hot_resets=(), restores=(), spills=(),
+                            hot_invalidations=(HotInvalidation(int(state_rows[req]),
+                                                               (int(src[req, page]),)),))
+            mapped, search = apply_hot_updates(plan, (mapped, search), block_size=BLOCK)
         else:
             for row in range(n):
                 change = rng.choice(K, K // 2, replace=False)

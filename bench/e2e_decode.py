@@ -120,6 +120,7 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
         topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
         kv_format=kv_format, position_map=not getattr(args, "no_position_map", False),
+        copy_stream=getattr(args, "copy_stream", None),
         async_scheduling=getattr(args, "async_scheduling", False), **(extra or {}))
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
@@ -482,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-position-map", action="store_true",
                    help="hot states without the position map: resolve searches the hot region "
                         "(the rule before 2026-12-04)")
+    p.add_argument("--copy-stream", type=int, default=None,
+                   help="EngineConfig.copy_stream: run the lookups (resolve and copies from host) "
+                        "on this GPU stream, every group's before the layers (default: the "
+                        "main stream, in model order)")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
@@ -542,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
               "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
               "num_layers": cfg.num_layers, "index_group_size": cfg.index_group_size,
               "host_pool_layout": args.host_pool_layout,
-              "position_map": not args.no_position_map,
+              "position_map": not args.no_position_map, "copy_stream": args.copy_stream,
               "topk_source": ("the model's indexer over synthetic unit-normal index keys"
                               if args.indexer else f"trace {args.trace}" if args.trace
                               else "drift model"),

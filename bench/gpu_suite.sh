@@ -21,7 +21,8 @@
 #        (the async profile at 256 for .baseline/ and for this tree), e2e_repeat1_async (the
 #        three pairs at 1 request with asynchronous scheduling), ncu (Nsight Compute profiles
 #        of the attention, resolve and gather kernels: bench/ncu_kernels.py), attention_splits
-#        (the attention kernel's device time at N = 1-8 against its K split count)
+#        (the attention kernel's device time at N = 1-8 against its K split count), copy_stream
+#        (EngineConfig.copy_stream: its tests compiled, the async profile at 256 without and with)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -82,6 +83,15 @@ run_step() {  # name, time limit in s, command...
           run_step profile_before 220 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.profile_step ${pargs[*]} --output $OUT/profile_before.json"
         fi
         run_step profile_after 220 python3 -m bench.profile_step "${pargs[@]}" --output "${PROFILE_COMPARE_OUT:-bench/results/profile_step-gpu-hisparse-256-async-after.json}" ;;
+      # Lookups on a second GPU stream (EngineConfig.copy_stream): the exactness tests
+      # compiled, then the async step profile at 256 without and with it.
+      copy_stream)
+        run_step copy_stream_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py tests/test_engine.py tests/ops/test_gather_compact.py -k "copy_stream or stream_stage"
+        for tag in main stream1; do
+          extra=()
+          [ "$tag" = stream1 ] && extra=(--copy-stream 1)
+          run_step "profile_copy_$tag" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling "${extra[@]}" --output "bench/results/profile_step-gpu-hisparse-256-async-${COPY_TAG:-copy}-$tag.json"
+        done ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.

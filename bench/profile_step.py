@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-size", type=int, default=None)
     p.add_argument("--no-position-map", action="store_true",
                    help="hot states without the position map (resolve searches the hot region)")
+    p.add_argument("--copy-stream", type=int, default=None,
+                   help="EngineConfig.copy_stream: the lookups on this GPU stream, issued first")
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=8)
@@ -513,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
                        "turnover": args.turnover, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling,
-                       "position_map": not args.no_position_map, **sizes},
+                       "position_map": not args.no_position_map,
+                       "copy_stream": args.copy_stream, **sizes},
             "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device, "isolated": isolated,

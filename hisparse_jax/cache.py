@@ -263,6 +263,15 @@ class HiSparseKVCache:
       host_rows: rows of one layer's host pool (static); host rows >= it read as missing.
       ops_backend: backend of the data-plane ops (static; None: picked per platform).
       kv_format: the stored row format, "bf16" or "fp8_ds_mla" (static).
+      copy_stream: None (default): a lookup's copies from host run on the main GPU stream.
+        An int s >= 1 (static; experimental): they cross PCIe on GPU stream s, staged for up
+        to `stage_rows` misses per batch row (`gather_compact_group(stream=...)`), so that
+        the model's other work could overlap them: a model whose top-k is known before the
+        layers run (an external source) looks group g + 1 up before group g's attention.
+        Same results; ignored off the GPU. XLA does not overlap the call yet
+        (`docs/host_pool.md`).
+      stage_rows: with copy_stream, the misses per batch row that are staged (static; the
+        rest are copied on the main stream): top_k // 8 by default (`create`).
     """
 
     caches: tuple[jax.Array, ...]
@@ -273,20 +282,32 @@ class HiSparseKVCache:
     host_rows: int = dataclasses.field(default=0, metadata=_STATIC)
     ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
     kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
+    copy_stream: int | None = dataclasses.field(default=None, metadata=_STATIC)
+    stage_rows: int | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
-               index_group_size: int = 1, ops_backend: str | None = None) -> HiSparseKVCache:
+               index_group_size: int = 1, ops_backend: str | None = None,
+               copy_stream: int | None = None) -> HiSparseKVCache:
         """Zero caches [cfg.num_gpu_blocks, B, cfg.storage_width] (cfg.storage_dtype) per
         layer and an empty hot state per index group; host_rows and kv_format from cfg (no
-        host pool: host_rows 0)."""
+        host pool: host_rows 0).
+
+        Raises:
+          ValueError: copy_stream is neither None nor an int >= 1.
+        """
+        if copy_stream is not None and (not isinstance(copy_stream, int)
+                                        or isinstance(copy_stream, bool) or copy_stream < 1):
+            raise ValueError(f"copy_stream must be None or an int >= 1 (a GPU stream other "
+                             f"than the main one), got {copy_stream!r}")
         num_blocks = cfg.require("num_gpu_blocks")
         shape = (num_blocks, cfg.block_size, cfg.storage_width)
         return cls(
             caches=tuple(jnp.zeros(shape, cfg.storage_dtype) for _ in range(num_layers)),
             hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
             residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
-            host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format)
+            host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format,
+            copy_stream=copy_stream, stage_rows=max(1, cfg.top_k // 8))
 
     @property
     def num_layers(self) -> int:
@@ -323,7 +344,9 @@ class HiSparseKVCache:
         """The device rows of the selected positions topk int32[N, K] (-1: none; valid
         entries distinct per row, at most the position written this step) for every layer of
         index group `group`; `HiSparse` / `NaiveOffload` copy the misses into those layers'
-        caches first. Call it once per group per step, after the group leader's `write`."""
+        caches first. Call it once per group per step. Its results do not depend on the
+        step's `write`s (those store resident rows, which no lookup reads or copies into), so
+        it may come before or after them."""
         return self.residency.lookup(self, group, topk, batch)
 
     def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
@@ -338,7 +361,7 @@ class HiSparseKVCache:
         caches[layers] = gather_compact_group(
             batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
             resolution.swap_src, resolution.swap_dst, resolution.swap_counts,
-            backend=self.ops_backend)
+            backend=self.ops_backend, stream=self.copy_stream, stage_rows=self.stage_rows)
         cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
         return cache, Lookup(resolution.attention_rows, resolution.num_hits,
                              resolution.swap_counts)

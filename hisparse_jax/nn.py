@@ -29,6 +29,7 @@ once a page is sealed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -45,6 +46,7 @@ from hisparse_jax.cache import (
     layers_per_pool_array,
 )
 from hisparse_jax.ops import sparse_mla_decode, stage_prefill_rows
+from pallas_kernels import _compat
 
 # --------------------------------------------------------------------------- configs
 
@@ -433,36 +435,59 @@ class Transformer(nnx.Module):
         hits, misses, attn = [], [], []
         x = self.embed(batch.tokens)
         lookup = None
+        # With an external selection and a copy stream, group g + 1 is looked up before
+        # group g attends: its copies from host run during the layers between.
+        early = {}
+        ahead = batch.topk is not None and kv.copy_stream is not None
+        if ahead:
+            kv, early[0] = kv.lookup(0, self._external_topk(batch, 0), kvb)
         for layer, block in enumerate(self.blocks):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
-            h = block.attn_norm(x)
-            q_lora, q, row = block.attn.project(h, pos)
-            kv = kv.write(layer, row, kvb)
-            if leader:
-                if batch.topk is not None:  # an external source: causal entries only
-                    topk = batch.topk[g]
-                    topk = jnp.where(topk <= pos[:, None], topk, -1)
-                else:
-                    idx = block.indexer
-                    keys = index_keys[g]
-                    keys = keys.at[jnp.where(writes, kvb.state_rows, keys.shape[0]),
-                                   jnp.maximum(pos, 0)].set(idx.keys(h, pos), mode="drop")
-                    index_keys[g] = keys
-                    iq, iw = idx.queries(q_lora, h, pos)
-                    topk = idx.select(iq, iw, keys[srow], pos)
-                topk = jnp.where(live[:, None], topk, -1)
-                kv, lookup = kv.lookup(g, topk, kvb)
-                hits.append(jnp.sum(lookup.hits))
-                misses.append(jnp.sum(lookup.misses))
-            out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
-                                            backend=attention_backend, kv_format=kv.kv_format)
-            if collect_attention:
-                attn.append(latent)
-            x = self._finish(x, block, out)
+            # Group g + 1's copies overlap group g's layers: one scheduling group.
+            overlap = ahead and g + 1 < c.num_groups
+            with (_compat.scheduling_group(g + 1) if overlap else contextlib.nullcontext()):
+                h = block.attn_norm(x)
+                q_lora, q, row = block.attn.project(h, pos)
+                kv = kv.write(layer, row, kvb)
+                if leader and g in early:
+                    lookup = early.pop(g)
+                    if g + 1 < c.num_groups:
+                        kv, early[g + 1] = kv.lookup(g + 1, self._external_topk(batch, g + 1), kvb)
+                    hits.append(jnp.sum(lookup.hits))
+                    misses.append(jnp.sum(lookup.misses))
+                elif leader:
+                    if batch.topk is not None:
+                        topk = self._external_topk(batch, g)
+                    else:
+                        idx = block.indexer
+                        keys = index_keys[g]
+                        keys = keys.at[jnp.where(writes, kvb.state_rows, keys.shape[0]),
+                                       jnp.maximum(pos, 0)].set(idx.keys(h, pos), mode="drop")
+                        index_keys[g] = keys
+                        iq, iw = idx.queries(q_lora, h, pos)
+                        topk = idx.select(iq, iw, keys[srow], pos)
+                        topk = jnp.where(live[:, None], topk, -1)
+                    kv, lookup = kv.lookup(g, topk, kvb)
+                    hits.append(jnp.sum(lookup.hits))
+                    misses.append(jnp.sum(lookup.misses))
+                out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
+                                                backend=attention_backend, kv_format=kv.kv_format)
+                if collect_attention:
+                    attn.append(latent)
+                x = self._finish(x, block, out)
         aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses), "hidden": x}
         if collect_attention:
             aux["attention"] = jnp.stack(attn)
         return self.logits(x), DecodeCache(kv, tuple(index_keys)), aux
+
+    @staticmethod
+    def _external_topk(batch: DecodeBatch, group: int) -> jax.Array:
+        """Group `group`'s top-k from the batch's external source: causal entries only, none
+        for padding rows."""
+        kvb = batch.kv
+        topk = batch.topk[group]
+        keep = (topk <= kvb.positions[:, None]) & kvb.live[:, None]
+        return jnp.where(keep, topk, -1)
 
     def prefill(self, cache: DecodeCache, tokens: jax.Array, length: jax.Array,
                 state_row: jax.Array, write_rows: jax.Array, *,

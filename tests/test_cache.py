@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,9 +115,10 @@ def _topk():
                         [22, 5, 10, -1, -1, 0, 15, 19]], jnp.int32)
 
 
-def _check_lookup(cache, found, topk, host, tables):
+def _check_lookup(cache, found, topk, host, tables, layers=range(LAYERS)):
     """Every selected row: resident -> its resident row; from host -> a hot-region row that
-    holds the host row in every layer of the group. Returns the host entries per batch row."""
+    holds the host row in every layer of the group (`layers`). Returns the host entries per
+    batch row."""
     src, res, hot = tables
     rows = np.asarray(found.attention_rows)
     caches = [np.asarray(c).reshape(-1, W) for c in cache.caches]
@@ -132,7 +134,7 @@ def _check_lookup(cache, found, topk, host, tables):
                 continue
             from_host[n] += 1
             assert rows[n, k] // B in hot[s], (n, k, rows[n, k])
-            for layer in range(LAYERS):
+            for layer in layers:
                 np.testing.assert_array_equal(
                     caches[layer][rows[n, k]], host[layer].reshape(-1, W)[_flat(src[s], t)])
     return from_host
@@ -240,6 +242,67 @@ def test_the_cache_is_donated_at_a_jit_boundary_and_the_host_pools_are_not():
     assert jax.tree.leaves(new.with_residency(AllResident()))[0] is jax.tree.leaves(new)[0]
 
 
+def _two_groups(residency, copy_stream, backend):
+    """The setup's two layers as two index groups of one layer each, one pool per layer."""
+    cache, batch, host, tables = _setup(residency)
+    cache = dataclasses.replace(cache, index_group_size=1, hot=cache.hot * 2,
+                                copy_stream=copy_stream, ops_backend=backend)
+    return cache, batch, host, tables
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("residency", RESIDENCIES, ids=lambda r: r.name)
+def test_a_lookup_on_a_copy_stream_equals_one_in_model_order(residency, backend):
+    # Lookups in both groups, twice, group 1 first: with copies on stream 1 (one miss per
+    # row staged, the rest copied on the main stream) every cache, hot state and found row
+    # equals the lookups without a stream. The kernels' copies become a stream call; the
+    # reference's host-computed copies cannot nest in one, so they run in place.
+    def steps(cache, batch, topk):
+        found = []
+        for group in (1, 0, 1, 0):
+            cache, f = cache.lookup(group, topk if group else topk[::-1], batch)
+            found.append(f)
+        return cache, found
+
+    runs = []
+    for stream in (None, 1):
+        cache, batch, host, tables = _two_groups(residency, stream, backend)
+        runs.append(jax.jit(steps)(cache, batch, _topk()))
+        lowered = jax.jit(steps).lower(cache, batch, _topk()).as_text()
+        calls = [line for line in lowered.splitlines()
+                 if "call @compute_on" in line and '_xla_stream_annotation = "1"' in line]
+        assert bool(calls) == bool(stream and residency.reads_host and backend == "triton")
+    (want_cache, want), (got_cache, got) = runs
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal(got_cache.caches, want_cache.caches)
+    chex.assert_trees_all_equal(got_cache.hot, want_cache.hot)
+    if residency.reads_host:
+        _check_lookup(got_cache, got[2], _topk(), host, tables, layers=[1])
+        _check_lookup(got_cache, got[3], _topk()[::-1], host, tables, layers=[0])
+        assert int(sum(f.misses.sum() for f in got)) > 0
+
+
+@pytest.mark.gpu
+def test_a_copy_stream_lookup_compiles_to_an_async_call_without_copying_the_caches():
+    # On the GPU each group's copies from host are an asynchronous call (call-start /
+    # call-done) on stream 1 that fills a staging buffer; the caches are updated in place on
+    # the main stream: no instruction copies a cache.
+    cache, batch, _, _ = _two_groups(HiSparse(), 1, "triton")
+
+    def steps(cache, batch, topk):
+        cache, a = cache.lookup(0, topk, batch)
+        cache, b = cache.lookup(1, topk[::-1], batch)
+        return cache, a, b
+
+    text = jax.jit(steps, donate_argnums=0).lower(cache, batch, _topk()).compile().as_text()
+    starts = [line for line in text.splitlines() if " call-start(" in line]
+    assert starts and all('_xla_stream_annotation="1"' in line for line in starts), starts
+    shape = "f32[{},{},{}]".format(*cache.caches[0].shape)
+    copies = [line for line in text.splitlines()
+              if f"= {shape}" in line and (" copy(" in line or " copy-start(" in line)]
+    assert not copies, copies
+
+
 def test_create_follows_the_config():
     cache = HiSparseKVCache.create(CFG, num_layers=4, residency=HiSparse(), index_group_size=2,
                                    ops_backend="reference")
@@ -251,6 +314,9 @@ def test_create_follows_the_config():
     no_sizes = dataclasses.replace(CFG, num_gpu_blocks=None, num_host_blocks=None,
                                    max_model_len=None)
     assert no_sizes.host_rows == 0
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="copy_stream must be None or an int >= 1"):
+            HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=bad)
     with pytest.raises(ValueError, match="num_gpu_blocks is unknown"):
         HiSparseKVCache.create(no_sizes, num_layers=1, residency=AllResident())
     with pytest.raises(ValueError, match="max_model_len is unknown"):

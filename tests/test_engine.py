@@ -153,6 +153,24 @@ def test_external_topk_modes_decode_the_same_tokens():
     tr_engine.close()
 
 
+@pytest.mark.parametrize("mode", [dict(), dict(naive_offload=True)], ids=["hisparse", "naive"])
+def test_lookups_on_a_copy_stream_decode_what_the_main_stream_decodes(mode):
+    # `copy_stream` issues both groups' lookups before the layers run, each as one call on
+    # another stream: the tokens are those of lookups in model order. (The rows moved are
+    # not compared: they depend on when the transfer worker's spills complete.)
+    drift = DriftTopK(turnover=0.25, seed=3)
+    runs = [_run_external(drift, num_gpu_blocks=44, copy_stream=stream, ops_backend="triton",
+                          **mode)
+            for stream in (None, 1)]
+    (main, want), (side, got) = runs
+    assert [r.generated for r in got] == [r.generated for r in want]
+    for engine, _ in runs:
+        assert engine.summary()["rows_moved_h2d"] > 0 and engine.metrics.hot_misses > 0
+    assert side.runner.cache.kv.copy_stream == 1 and main.runner.cache.kv.copy_stream is None
+    for engine, _ in runs:
+        engine.close()
+
+
 def test_synthetic_prefill_with_the_models_indexer():
     # Without a top-k source, synthetic prefill writes unit-normal index keys for the prompt
     # rows (the padding rows stay zero) and the model's own indexer selects from them; the
@@ -186,6 +204,9 @@ def test_engine_config_validation():
         Engine(tiny_model(), EngineConfig(all_resident=True, naive_offload=True))
     with pytest.raises(ValueError, match="TopKSource"):
         Engine(tiny_model(), EngineConfig(topk_source=object()))
+    for bad in (0, -1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="EngineConfig.copy_stream must be a positive int"):
+            EngineConfig(copy_stream=bad)
 
 
 def test_fast_path_stop_tokens_and_temperature(all_resident):

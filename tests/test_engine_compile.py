@@ -180,3 +180,39 @@ def test_engine_enables_the_cache_unless_told_not_to(tmp_path, monkeypatch,
     monkeypatch.setenv(compile_cache.ENV_VAR, "off")
     assert Engine(tiny_model(), EngineConfig(**kw)).compilation_cache_dir is None
     assert jax.config.jax_compilation_cache_dir is None
+
+
+_FIRST_ENGINE = """
+import json
+from hisparse_jax import nn
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.topk_sources import DriftTopK
+
+engine = Engine(nn.init_model("tiny", seed=0), EngineConfig(
+    max_seats=4, max_model_len=96, block_size=4, prefill_bucket=96, num_gpu_blocks=44,
+    ops_backend="triton", topk_source=DriftTopK(seed=1), synthetic_prefill=True))
+for n in (40, 45, 50, 55):
+    engine.add_request(list(range(1, n)), max_new_tokens=28)
+done = engine.run()
+print(json.dumps({"traces": dict(engine.trace_counts),
+                  "reasons": sorted(r.finish_reason for r in done.values())}))
+engine.close()
+"""
+
+
+def test_the_first_engine_of_a_process_traces_each_step_once():
+    # The first Pallas kernel of a process loads a module that adds an option to jax's
+    # tracing context (jax >= 0.11): a step traced before it traced again after it, once
+    # per process. The bottom-layer compat module loads it up front.
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_ENGINE], cwd=root, capture_output=True,
+                          text=True, timeout=600, check=False,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["reasons"] == ["length"] * 4
+    assert out["traces"]["prefill"] == 1 and out["traces"]["decode_hot"] == 1, out

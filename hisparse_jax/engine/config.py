@@ -153,6 +153,12 @@ class EngineConfig:
         default True): resolve looks every selected row up once instead of searching the
         hot region (`docs/semantics.md`), for 2 bytes per position, per seat and index
         group (max_seats * max_model_len * 2 bytes each). False: the search rule.
+      copy_stream: None (default): a decode step's copies from host run on the main GPU
+        stream. An int s >= 1 (experimental): on GPU stream s, through a staging buffer
+        (`HiSparseKVCache.copy_stream`); with a topk_source group g + 1 is looked up before
+        group g attends, so that its copies could overlap that work. Same tokens; ignored
+        off the GPU and by all-resident engines. On jax 0.11.2 XLA does not overlap the call
+        yet, so it costs a little (`docs/host_pool.md`).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -186,6 +192,7 @@ class EngineConfig:
     prefix_hit_pages: str = "restore"
     pack_host_layers: bool = True
     position_map: bool = True
+    copy_stream: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -200,9 +207,10 @@ class EngineConfig:
         for name in ("max_seats", "max_model_len", "block_size", "prefill_bucket"):
             _check_int(name, getattr(self, name), minimum=1)
         for name, minimum in (("hot_size", 1), ("max_traces", 1), ("num_gpu_blocks", 2),
-                              ("num_host_blocks", 2)):
+                              ("num_host_blocks", 2), ("copy_stream", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=minimum, optional=True)
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.hot_size is not None and self.hot_size > MAX_HOT_SIZE:
             raise ValueError(f"EngineConfig.hot_size must be <= {MAX_HOT_SIZE} (LRU slot ids "
                              f"are int16), got {self.hot_size}")

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.ops import _checks, _registry
+from pallas_kernels import _compat
 
 
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("kv_cache",))
@@ -74,6 +75,33 @@ def _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, bac
                                      swap_dst, swap_counts))
 
 
+@functools.partial(jax.jit, static_argnames=("backend", "stream", "stage_rows"),
+                   donate_argnames=("kv_caches",))
+def _gather_group_staged(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, backend,
+                         stream, stage_rows):
+    gather = _registry.implementation("gather_compact_group", backend)
+    n, k = swap_src.shape
+    c = min(stage_rows, k)
+    m = jnp.arange(k, dtype=jnp.int32)[None, :]
+    staged = m < c
+    stage_row = jnp.arange(n, dtype=jnp.int32)[:, None] * c + m  # (n, m) -> staging row
+
+    def stage(pools, src, dst, counts):
+        bufs = tuple(jnp.zeros((n, c, p.shape[-1]), p.dtype) for p in pools)
+        return tuple(gather(pools, bufs, src, dst, counts))
+
+    # Across PCIe on the copy stream: each pool array's whole (packed) rows, one launch.
+    bufs = _compat.on_stream(stage, stream)(
+        host_pools, swap_src, jnp.where(staged, stage_row, -1), swap_counts)
+    # On this stream: staging -> caches (device to device), then the misses past c, if any.
+    kv_caches = tuple(gather(bufs, kv_caches, jnp.where(staged & (swap_src >= 0), stage_row, -1),
+                             swap_dst, swap_counts))
+    if c < k:
+        kv_caches = tuple(gather(host_pools, kv_caches, jnp.where(staged, -1, swap_src),
+                                 swap_dst, swap_counts))
+    return kv_caches
+
+
 def gather_compact_group(
     host_pools: Sequence[jax.Array],
     kv_caches: Sequence[jax.Array],
@@ -83,6 +111,8 @@ def gather_compact_group(
     *,
     backend: str | None = None,
     fused: bool = True,
+    stream: int | None = None,
+    stage_rows: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """`gather_compact` of one swap plan into every layer of an index group.
 
@@ -97,14 +127,35 @@ def gather_compact_group(
     swap_src, swap_dst: int32[N, K]; swap_counts: int32[N] (from the leader's resolve).
     fused: with a kernel backend, ONE launch for all layers (else one launch per pool
       array, inside the same jit); the reference always runs array by array.
+    stream: None (default): the copies run where the call does. An int s >= 1: the rows
+      cross PCIe on GPU stream s (`_compat.on_stream`), so that work of the enclosing jit
+      that does not read these caches runs meanwhile. The first `stage_rows` misses of each
+      batch row (K // 8 when None) go from the pools into a staging buffer, allocated inside
+      that call ([N, stage_rows, pool row width] of the pool's dtype per pool array); this
+      stream then copies them into the caches (device to device) and copies the misses past
+      stage_rows straight from the pools. (A call on another stream cannot update the caches
+      in place: XLA would copy them whole.) Same result. The reference backend gathers on
+      the host and runs in place. `fused` is ignored.
+
+    Raises:
+      ValueError: stream is not None or an int >= 1, or stage_rows is not None or an
+        int >= 1.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
+    for name, value in (("stream", stream), ("stage_rows", stage_rows)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
     if not kv_caches:
         return ()
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
                                swap_src, swap_dst, swap_counts)
+    if stream is not None and swap_src.size:
+        return _gather_group_staged(
+            host_pools, kv_caches, swap_src, swap_dst, swap_counts, backend=backend,
+            stream=stream, stage_rows=stage_rows or max(1, swap_src.shape[1] // 8))
     return _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
                          backend=backend, fused=bool(fused))
 

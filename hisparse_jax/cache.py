@@ -265,13 +265,11 @@ class HiSparseKVCache:
       kv_format: the stored row format, "bf16" or "fp8_ds_mla" (static).
       copy_stream: None (default): a lookup's copies from host run on the main GPU stream.
         An int s >= 1 (static; experimental): they cross PCIe on GPU stream s, staged for up
-        to `stage_rows` misses per batch row (`gather_compact_group(stream=...)`), so that
+        to top_k // 8 misses per batch row (`gather_compact_group(stream=...)`), so that
         the model's other work could overlap them: a model whose top-k is known before the
         layers run (an external source) looks group g + 1 up before group g's attention.
         Same results; ignored off the GPU. XLA does not overlap the call yet
         (`docs/host_pool.md`).
-      stage_rows: with copy_stream, the misses per batch row that are staged (static; the
-        rest are copied on the main stream): top_k // 8 by default (`create`).
     """
 
     caches: tuple[jax.Array, ...]
@@ -283,7 +281,6 @@ class HiSparseKVCache:
     ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
     kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
     copy_stream: int | None = dataclasses.field(default=None, metadata=_STATIC)
-    stage_rows: int | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
@@ -307,7 +304,7 @@ class HiSparseKVCache:
             hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
             residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
             host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format,
-            copy_stream=copy_stream, stage_rows=max(1, cfg.top_k // 8))
+            copy_stream=copy_stream)
 
     @property
     def num_layers(self) -> int:
@@ -361,7 +358,7 @@ class HiSparseKVCache:
         caches[layers] = gather_compact_group(
             batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
             resolution.swap_src, resolution.swap_dst, resolution.swap_counts,
-            backend=self.ops_backend, stream=self.copy_stream, stage_rows=self.stage_rows)
+            backend=self.ops_backend, stream=self.copy_stream)
         cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
         return cache, Lookup(resolution.attention_rows, resolution.num_hits,
                              resolution.swap_counts)

@@ -437,10 +437,10 @@ class Transformer(nnx.Module):
         lookup = None
         # With an external selection and a copy stream, group g + 1 is looked up before
         # group g attends: its copies from host run during the layers between.
-        early = {}
         ahead = batch.topk is not None and kv.copy_stream is not None
+        next_lookup = None
         if ahead:
-            kv, early[0] = kv.lookup(0, self._external_topk(batch, 0), kvb)
+            kv, next_lookup = kv.lookup(0, self._external_topk(batch, 0), kvb)
         for layer, block in enumerate(self.blocks):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
             # Group g + 1's copies overlap group g's layers: one scheduling group.
@@ -449,12 +449,11 @@ class Transformer(nnx.Module):
                 h = block.attn_norm(x)
                 q_lora, q, row = block.attn.project(h, pos)
                 kv = kv.write(layer, row, kvb)
-                if leader and g in early:
-                    lookup = early.pop(g)
-                    if g + 1 < c.num_groups:
-                        kv, early[g + 1] = kv.lookup(g + 1, self._external_topk(batch, g + 1), kvb)
-                    hits.append(jnp.sum(lookup.hits))
-                    misses.append(jnp.sum(lookup.misses))
+                if leader and ahead:  # group g was looked up ahead; look up g + 1 now
+                    lookup, next_lookup = next_lookup, None
+                    if overlap:
+                        kv, next_lookup = kv.lookup(g + 1, self._external_topk(batch, g + 1),
+                                                    kvb)
                 elif leader:
                     if batch.topk is not None:
                         topk = self._external_topk(batch, g)
@@ -468,6 +467,7 @@ class Transformer(nnx.Module):
                         topk = idx.select(iq, iw, keys[srow], pos)
                         topk = jnp.where(live[:, None], topk, -1)
                     kv, lookup = kv.lookup(g, topk, kvb)
+                if leader:
                     hits.append(jnp.sum(lookup.hits))
                     misses.append(jnp.sum(lookup.misses))
                 out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,

@@ -138,16 +138,14 @@ def gather_compact_group(
       the host and runs in place. `fused` is ignored.
 
     Raises:
-      ValueError: stream is not None or an int >= 1, or stage_rows is not None or an
-        int >= 1.
+      TypeError / ValueError: stream or stage_rows is neither None nor an int >= 1.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
     for name, value in (("stream", stream), ("stage_rows", stage_rows)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if value is not None:
+            _checks.check_static_int(name, value, minimum=1)
     if not kv_caches:
         return ()
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,

@@ -328,9 +328,12 @@ def test_validation_errors(pinned_host, on_device):
     with pytest.raises(ValueError, match="layer 1: row_width mismatch"):
         gather_compact_group([pool, jax.device_put(np.zeros((8, 8), np.float32), pinned_host)],
                              [cache, cache], *plan)
-    for name, bad in (("stream", 0), ("stream", True), ("stage_rows", 0), ("stage_rows", 2.0)):
-        with pytest.raises(ValueError, match=f"{name} must be None or an int >= 1"):
-            gather_compact_group([pool], [cache], *plan, **{name: bad})
+    for name in ("stream", "stage_rows"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+            gather_compact_group([pool], [cache], *plan, **{name: 0})
+        for bad in (True, 2.0):
+            with pytest.raises(TypeError, match=f"{name} must be a static Python int"):
+                gather_compact_group([pool], [cache], *plan, **{name: bad})
     with pytest.raises(ValueError, match="layer 1: row_width mismatch"):   # one per layer:
         gather_compact_group([pool, jax.device_put(np.zeros((8, 2 * W), np.float32),
                                                    pinned_host)], [cache, cache], *plan)

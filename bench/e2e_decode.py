@@ -484,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="hot states without the position map: resolve searches the hot region "
                         "(the rule before 2026-12-04)")
     p.add_argument("--copy-stream", type=int, default=None,
-                   help="EngineConfig.copy_stream: run the lookups (resolve and copies from host) "
-                        "on this GPU stream, every group's before the layers (default: the "
-                        "main stream, in model order)")
+                   help="EngineConfig.copy_stream: look each index group after the first up "
+                        "ahead, its copies from host on this GPU stream during the previous "
+                        "group's layers (default: the main stream, in model order)")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")

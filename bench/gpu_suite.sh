@@ -22,7 +22,8 @@
 #        three pairs at 1 request with asynchronous scheduling), ncu (Nsight Compute profiles
 #        of the attention, resolve and gather kernels: bench/ncu_kernels.py), attention_splits
 #        (the attention kernel's device time at N = 1-8 against its K split count), copy_stream
-#        (EngineConfig.copy_stream: its tests compiled, the async profile at 256 without and with)
+#        (EngineConfig.copy_stream: its tests compiled, the async profile at 256 without and with),
+#        e2e_copy_stream (a HiSparse / all-resident pair at 1 and 256 with it)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -83,15 +84,24 @@ run_step() {  # name, time limit in s, command...
           run_step profile_before 220 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.profile_step ${pargs[*]} --output $OUT/profile_before.json"
         fi
         run_step profile_after 220 python3 -m bench.profile_step "${pargs[@]}" --output "${PROFILE_COMPARE_OUT:-bench/results/profile_step-gpu-hisparse-256-async-after.json}" ;;
-      # Lookups on a second GPU stream (EngineConfig.copy_stream): the exactness tests
-      # compiled, then the async step profile at 256 without and with it.
+      # Lookups made ahead on a second GPU stream (EngineConfig.copy_stream): the exactness
+      # tests compiled, the async step profile at 256 without and with it (COPY_PROFILES; the
+      # stream run's compiled hot step goes to $OUT and is summarised by bench/xla_schedule.py).
       copy_stream)
-        run_step copy_stream_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py tests/test_engine.py tests/ops/test_gather_compact.py -k "copy_stream or stream_stage"
-        for tag in main stream1; do
-          extra=()
-          [ "$tag" = stream1 ] && extra=(--copy-stream 1)
-          run_step "profile_copy_$tag" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling "${extra[@]}" --output "bench/results/profile_step-gpu-hisparse-256-async-${COPY_TAG:-copy}-$tag.json"
+        tag=${COPY_TAG:-copy}
+        HISPARSE_EXAMPLES=${HISPARSE_EXAMPLES:-10} run_step copy_stream_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py tests/test_engine.py tests/ops/test_gather_compact.py -k "copy_stream or stream_stage or ahead"
+        for run in ${COPY_PROFILES:-main stream1}; do
+          if [ "$run" = main ]; then
+            run_step profile_copy_main 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-main.json"
+            continue
+          fi
+          rm -rf /tmp/xla_dump_stream1
+          XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_stream1 --xla_dump_hlo_module_re=.*packed_step.*" \
+            run_step profile_copy_stream1 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --copy-stream 1 --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-stream1.json"
+          run_step copy_stream_schedule 60 python3 -m bench.xla_schedule /tmp/xla_dump_stream1 --output "bench/results/xla_schedule-packed_step-$tag-stream1.txt"
+          cp "$(ls -S /tmp/xla_dump_stream1/*packed_step*after_optimizations.txt | head -n 1)" "$OUT/hot_step-$tag-stream1.hlo.txt"
         done ;;
+      e2e_copy_stream) run_step e2e_copy_stream 240 python3 -m bench.e2e_decode --async-scheduling --copy-stream 1 --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-${COPY_TAG:-copy}-stream1-gpu.json" ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.

@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-position-map", action="store_true",
                    help="hot states without the position map (resolve searches the hot region)")
     p.add_argument("--copy-stream", type=int, default=None,
-                   help="EngineConfig.copy_stream: the lookups on this GPU stream, issued first")
+                   help="EngineConfig.copy_stream: group g + 1's copies from host on this GPU "
+                        "stream, looked up ahead during group g's layers")
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=8)

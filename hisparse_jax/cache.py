@@ -50,7 +50,14 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.ops import gather_compact_group, invalidate_written_rows, resolve_residency
+from hisparse_jax.ops import (
+    StagedCopies,
+    gather_compact_group,
+    gather_compact_group_finish,
+    gather_compact_group_start,
+    invalidate_written_rows,
+    resolve_residency,
+)
 from hisparse_jax.state import HotState, empty_like, init_hot_state
 from pallas_kernels import kv_format as kvf
 from pallas_kernels._rows import flat_rows
@@ -78,8 +85,8 @@ class AllResident:
     resident_fast_path: ClassVar[bool] = True
 
     def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
-               batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
-        del group
+               batch: CacheBatch, *, ahead: bool = False) -> tuple[HiSparseKVCache, Lookup]:
+        del group, ahead  # nothing to copy
         rows = flat_rows(batch.res, topk, cache.block_size)
         rows = jnp.where(batch.live[:, None], rows, -1)
         zeros = jnp.zeros(topk.shape[:1], jnp.int32)
@@ -106,14 +113,15 @@ class HiSparse:
     resident_fast_path: ClassVar[bool] = True
 
     def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
-               batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
+               batch: CacheBatch, *, ahead: bool = False
+               ) -> tuple[HiSparseKVCache, Lookup | PendingLookup]:
         written = jnp.where(batch.live, flat_rows(batch.src, batch.positions, cache.block_size),
                             -1)
         hot = invalidate_written_rows(cache.hot[group], batch.state_rows, written,
                                       backend=cache.ops_backend)
         r = batch.rows_per_request
         if not self.per_row or r == 1:
-            return cache._resolve_and_gather(group, hot, topk, batch)
+            return cache._resolve_and_gather(group, hot, topk, batch, ahead=ahead)
         lookups = []
         for i in range(r):  # the ablation: one pass per row index, in order
             cache, found = cache._resolve_and_gather(group, hot, topk[i::r], batch.rows(i))
@@ -133,8 +141,10 @@ class NaiveOffload:
     resident_fast_path: ClassVar[bool] = False  # the baseline always reads through the host
 
     def lookup(self, cache: HiSparseKVCache, group: int, topk: jax.Array,
-               batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
-        return cache._resolve_and_gather(group, empty_like(cache.hot[group]), topk, batch)
+               batch: CacheBatch, *, ahead: bool = False
+               ) -> tuple[HiSparseKVCache, Lookup | PendingLookup]:
+        return cache._resolve_and_gather(group, empty_like(cache.hot[group]), topk, batch,
+                                         ahead=ahead)
 
 
 Residency = AllResident | HiSparse | NaiveOffload
@@ -164,6 +174,35 @@ class Lookup:
     hits: jax.Array
     misses: jax.Array
 
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingLookup:
+    """Result of `HiSparseKVCache.lookup_ahead`: a lookup whose copies from host may still be
+    crossing PCIe on the copy stream. `HiSparseKVCache.land` completes it and returns its
+    `Lookup`; attend only through that.
+
+    Attributes:
+      group: the index group looked up (static).
+      found: the `Lookup` (its rows are valid in the caches once landed).
+      copies: the `StagedCopies` in flight, or None when nothing crosses on the copy stream
+        (no copy stream, a residency that reads no host rows, or the per-row ablation).
+    """
+
+    group: int = dataclasses.field(metadata=_STATIC)
+    found: Lookup
+    copies: StagedCopies | None = None
+
+    def precede(self, x):
+        """`x` (any pytree of arrays), tied to this lookup's resolve: the work that reads the
+        returned arrays comes after the resolve, so the copies (which start as soon as the
+        resolve is done) run during that work rather than after it."""
+        if self.copies is None:
+            return x
+        plan = (self.copies.swap_src, self.copies.swap_counts)
+        x, _ = jax.lax.optimization_barrier((x, plan))
+        return x
 
 def layers_per_pool_array(num_arrays: int, num_layers: int, group_size: int) -> int:
     """G, the layers each of a host pool's `num_arrays` arrays holds side by side, for
@@ -263,13 +302,14 @@ class HiSparseKVCache:
       host_rows: rows of one layer's host pool (static); host rows >= it read as missing.
       ops_backend: backend of the data-plane ops (static; None: picked per platform).
       kv_format: the stored row format, "bf16" or "fp8_ds_mla" (static).
-      copy_stream: None (default): a lookup's copies from host run on the main GPU stream.
-        An int s >= 1 (static; experimental): they cross PCIe on GPU stream s, staged for up
-        to top_k // 8 misses per batch row (`gather_compact_group(stream=...)`), so that
-        the model's other work could overlap them: a model whose top-k is known before the
-        layers run (an external source) looks group g + 1 up before group g's attention.
-        Same results; ignored off the GPU. XLA does not overlap the call yet
-        (`docs/host_pool.md`).
+      copy_stream: None (default): every lookup's copies from host run on the main GPU
+        stream. An int s >= 1 (static; experimental): the copies of a `lookup_ahead` cross
+        PCIe on GPU stream s, staged for up to top_k // 8 misses per batch row
+        (`gather_compact_group_start`), while the work traced before its `land` runs on the
+        main stream: a model whose top-k is known before the layers run (an external
+        source) looks group g + 1 up ahead and lands it after group g's layers. Same
+        results; ignored off the GPU. In the engine's step XLA does not overlap the copies
+        yet (`docs/host_pool.md`).
     """
 
     caches: tuple[jax.Array, ...]
@@ -346,19 +386,56 @@ class HiSparseKVCache:
         it may come before or after them."""
         return self.residency.lookup(self, group, topk, batch)
 
+    def lookup_ahead(self, group: int, topk: jax.Array, batch: CacheBatch
+                     ) -> tuple[HiSparseKVCache, PendingLookup]:
+        """`lookup` split in two, so that the copies from host overlap other work: resolves
+        now (the hot state moves now) and, with a `copy_stream`, starts the copies of the
+        first misses on that stream; `land` completes the lookup and returns its `Lookup`.
+        Trace the overlapped work between the two, and pass its inputs through
+        `PendingLookup.precede` and its outputs as `land(after=...)`. That work must not
+        read this group's caches. Without a copy stream (or off the GPU) the copies run at
+        once, as in `lookup`; the results are the same either way."""
+        cache, found = self.residency.lookup(self, group, topk, batch,
+                                             ahead=self.copy_stream is not None)
+        if isinstance(found, PendingLookup):
+            return cache, found
+        return cache, PendingLookup(group, found)
+
+    def land(self, pending: PendingLookup, batch: CacheBatch, *, after=None
+             ) -> tuple[HiSparseKVCache, Lookup]:
+        """Completes `lookup_ahead`'s `pending` (same batch): its staged rows and the misses
+        past them land in the group's caches once `after` (any pytree of arrays, or None)
+        is computed. Returns the handle and the group's `Lookup`."""
+        if pending.copies is None:
+            return self, pending.found
+        group = pending.group
+        layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
+        caches = list(self.caches)
+        caches[layers] = gather_compact_group_finish(
+            batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
+            pending.copies, after=after)
+        return dataclasses.replace(self, caches=tuple(caches)), pending.found
+
     def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
-                            batch: CacheBatch) -> tuple[HiSparseKVCache, Lookup]:
+                            batch: CacheBatch, *, ahead: bool = False
+                            ) -> tuple[HiSparseKVCache, Lookup | PendingLookup]:
         resolution, hot = resolve_residency(
             hot, topk, state_rows=batch.state_rows, hot_block_table=batch.hot,
             source_block_table=batch.src, resident_block_table=batch.res,
             block_size=self.block_size, host_rows=self.host_rows, backend=self.ops_backend,
             query_rows_per_request=batch.rows_per_request)
         layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
+        pools = batch.group_pools(group, self.index_group_size, self.num_layers)
+        found = Lookup(resolution.attention_rows, resolution.num_hits, resolution.swap_counts)
+        plan = (resolution.swap_src, resolution.swap_dst, resolution.swap_counts)
+        if ahead and resolution.swap_src.size:
+            copies = gather_compact_group_start(pools, self.caches[layers], *plan,
+                                                stream=self.copy_stream,
+                                                backend=self.ops_backend)
+            cache = dataclasses.replace(self, hot=_replace(self.hot, group, hot))
+            return cache, PendingLookup(group, found, copies)
         caches = list(self.caches)
-        caches[layers] = gather_compact_group(
-            batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
-            resolution.swap_src, resolution.swap_dst, resolution.swap_counts,
-            backend=self.ops_backend, stream=self.copy_stream)
+        caches[layers] = gather_compact_group(pools, caches[layers], *plan,
+                                              backend=self.ops_backend)
         cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
-        return cache, Lookup(resolution.attention_rows, resolution.num_hits,
-                             resolution.swap_counts)
+        return cache, found

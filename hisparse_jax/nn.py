@@ -29,7 +29,6 @@ once a page is sealed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -43,10 +42,10 @@ from hisparse_jax.cache import (
     AllResident,
     CacheBatch,
     HiSparseKVCache,
+    PendingLookup,
     layers_per_pool_array,
 )
 from hisparse_jax.ops import sparse_mla_decode, stage_prefill_rows
-from pallas_kernels import _compat
 
 # --------------------------------------------------------------------------- configs
 
@@ -435,46 +434,46 @@ class Transformer(nnx.Module):
         hits, misses, attn = [], [], []
         x = self.embed(batch.tokens)
         lookup = None
-        # With an external selection and a copy stream, group g + 1 is looked up before
-        # group g attends: its copies from host run during the layers between.
+        # With an external selection and a copy stream, group g + 1 is looked up ahead, before
+        # group g attends: its copies from host cross on the copy stream during group g's
+        # layers and land in its caches once layer g + 1's projection is computed.
         ahead = batch.topk is not None and kv.copy_stream is not None
-        next_lookup = None
-        if ahead:
-            kv, next_lookup = kv.lookup(0, self._external_topk(batch, 0), kvb)
+        pending = None
+        if ahead:  # nothing runs before group 0 to overlap: its copies go on the main stream
+            kv, found = kv.lookup(0, self._external_topk(batch, 0), kvb)
+            pending = PendingLookup(0, found)
         for layer, block in enumerate(self.blocks):
             g, leader = layer // c.index_group_size, layer % c.index_group_size == 0
-            # Group g + 1's copies overlap group g's layers: one scheduling group.
-            overlap = ahead and g + 1 < c.num_groups
-            with (_compat.scheduling_group(g + 1) if overlap else contextlib.nullcontext()):
-                h = block.attn_norm(x)
-                q_lora, q, row = block.attn.project(h, pos)
-                kv = kv.write(layer, row, kvb)
-                if leader and ahead:  # group g was looked up ahead; look up g + 1 now
-                    lookup, next_lookup = next_lookup, None
-                    if overlap:
-                        kv, next_lookup = kv.lookup(g + 1, self._external_topk(batch, g + 1),
-                                                    kvb)
-                elif leader:
-                    if batch.topk is not None:
-                        topk = self._external_topk(batch, g)
-                    else:
-                        idx = block.indexer
-                        keys = index_keys[g]
-                        keys = keys.at[jnp.where(writes, kvb.state_rows, keys.shape[0]),
-                                       jnp.maximum(pos, 0)].set(idx.keys(h, pos), mode="drop")
-                        index_keys[g] = keys
-                        iq, iw = idx.queries(q_lora, h, pos)
-                        topk = idx.select(iq, iw, keys[srow], pos)
-                        topk = jnp.where(live[:, None], topk, -1)
-                    kv, lookup = kv.lookup(g, topk, kvb)
-                if leader:
-                    hits.append(jnp.sum(lookup.hits))
-                    misses.append(jnp.sum(lookup.misses))
-                out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
-                                                backend=attention_backend, kv_format=kv.kv_format)
-                if collect_attention:
-                    attn.append(latent)
-                x = self._finish(x, block, out)
+            h = block.attn_norm(x)
+            q_lora, q, row = block.attn.project(h, pos)
+            if leader and ahead:
+                kv, lookup = kv.land(pending, kvb, after=row)
+                pending = None
+                if g + 1 < c.num_groups:
+                    kv, pending = kv.lookup_ahead(g + 1, self._external_topk(batch, g + 1), kvb)
+                    q = pending.precede(q)  # group g attends after g + 1's copies started
+            kv = kv.write(layer, row, kvb)
+            if leader and not ahead:
+                if batch.topk is not None:
+                    topk = self._external_topk(batch, g)
+                else:
+                    idx = block.indexer
+                    keys = index_keys[g]
+                    keys = keys.at[jnp.where(writes, kvb.state_rows, keys.shape[0]),
+                                   jnp.maximum(pos, 0)].set(idx.keys(h, pos), mode="drop")
+                    index_keys[g] = keys
+                    iq, iw = idx.queries(q_lora, h, pos)
+                    topk = idx.select(iq, iw, keys[srow], pos)
+                    topk = jnp.where(live[:, None], topk, -1)
+                kv, lookup = kv.lookup(g, topk, kvb)
+            if leader:
+                hits.append(jnp.sum(lookup.hits))
+                misses.append(jnp.sum(lookup.misses))
+            out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
+                                            backend=attention_backend, kv_format=kv.kv_format)
+            if collect_attention:
+                attn.append(latent)
+            x = self._finish(x, block, out)
         aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses), "hidden": x}
         if collect_attention:
             aux["attention"] = jnp.stack(attn)

@@ -16,18 +16,15 @@ from typing import Any
 
 import jax
 import jax.extend.core as _jex_core
-from jax._src import compute_on as _co
 from jax._src import core as _core
 from jax._src.compute_on import compute_on_p as _compute_on_p
 from jax._src.interpreters import partial_eval as _pe
-from jax._src.lib.mlir import ir as _ir
 from jax.experimental.compute_on import compute_on as _compute_on
 
 # Loading Pallas' fuser defines a trace-context option (jax >= 0.11). Pallas loads it lazily,
 # with the first interpret-mode kernel, so a jitted function traced before that would trace
 # (and compile) again after it: load it now, before anything is traced.
 from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401
-from jax.experimental.xla_metadata import set_xla_metadata as _set_xla_metadata
 from jax.interpreters import mlir as _mlir
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
@@ -77,47 +74,13 @@ def on_stream(fn: Callable[..., Any], stream: int) -> Callable[..., Any]:
         if any(isinstance(c, _core.Tracer) for c in closed.consts):
             closed, consts = _pe.separate_consts(closed)
         out_tree = jax.tree.structure(out_shape)
-        outs = _stream_call_p.bind(
+        outs = _compute_on_p.bind(
             *consts, *jax.tree.leaves(args), jaxpr=closed, compute_type=f"gpu_stream:{stream}",
             out_memory_spaces=(jax.memory.Space.Device,) * out_tree.num_leaves,
             compiler_options_json=None)
         return jax.tree.unflatten(out_tree, outs)
 
     return call
-
-
-# `on_stream`'s call: jax's compute_on primitive, whose lowering also gives the call itself
-# the XLA metadata in force where it was traced (`scheduling_group`). jax's own rule puts
-# that metadata on the device-placement annotation of the call's results instead.
-_stream_call_p = _jex_core.Primitive("hisparse_stream_call")
-_stream_call_p.multiple_results = True
-_stream_call_p.def_effectful_abstract_eval(_co._compute_on_abstract_eval)
-_stream_call_p.def_impl(lambda *args, **params: _compute_on_p.bind(*args, **params))
-
-
-def _stream_call_lowering(ctx: Any, *args: Any, **params: Any) -> Any:
-    outs = _co._compute_on_lowering(ctx, *args, **params)
-    metadata = getattr(ctx.jaxpr_eqn_ctx, "xla_metadata", None)
-    op = outs[0].owner if metadata and outs else None
-    while op is not None and op.operation.name != "func.call" and op.operands:
-        op = op.operands[0].owner  # through the results' memory-placement annotations
-    if op is not None and op.operation.name == "func.call":
-        attrs = {a.name: a.attr for a in op.attributes["mhlo.frontend_attributes"]}
-        attrs.update({k: _ir.StringAttr.get(str(v)) for k, v in metadata.items()})
-        op.attributes["mhlo.frontend_attributes"] = _ir.DictAttr.get(attrs)
-    return outs
-
-
-_mlir.register_lowering(_stream_call_p, _stream_call_lowering)
-
-
-def scheduling_group(group_id: int) -> contextlib.AbstractContextManager:
-    """Marks the operations traced inside as one scheduling group (`_scheduling_group_id`),
-    the hint by which XLA's latency-hiding scheduler may start an asynchronous call of the
-    group (`on_stream`) before the group's other operations and wait for it after them.
-    Only a hint: on jax 0.11.2 the call's start still came right before its done
-    (`docs/host_pool.md`)."""
-    return _set_xla_metadata(_scheduling_group_id=str(group_id))
 
 
 def _computes_elsewhere(jaxpr: Any) -> bool:

@@ -4,6 +4,7 @@ direct NumPy computation, donation at a jit boundary, and the residencies' agree
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -250,32 +251,48 @@ def _two_groups(residency, copy_stream, backend):
     return cache, batch, host, tables
 
 
+def _ahead_steps(cache, batch, topk, x):
+    """Lookups in both groups, twice, group 1 first, each made ahead and landed after other
+    work (a matrix product of x that waits for the resolve and that the landing waits for)."""
+    found = []
+    for group in (1, 0, 1, 0):
+        cache, pending = cache.lookup_ahead(group, topk if group else topk[::-1], batch)
+        x = jnp.tanh(pending.precede(x) @ x)
+        cache, f = cache.land(pending, batch, after=x)
+        found.append(f)
+    return cache, found, x
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("residency", RESIDENCIES, ids=lambda r: r.name)
-def test_a_lookup_on_a_copy_stream_equals_one_in_model_order(residency, backend):
-    # Lookups in both groups, twice, group 1 first: with copies on stream 1 (one miss per
-    # row staged, the rest copied on the main stream) every cache, hot state and found row
-    # equals the lookups without a stream. The kernels' copies become a stream call; the
+def test_lookups_made_ahead_on_a_copy_stream_equal_lookups_in_model_order(residency, backend):
+    # The same four lookups by `lookup` without a stream and by lookup_ahead / land with
+    # and without stream 1 (one miss per row staged on the stream, the rest copied on the
+    # main stream): every cache, hot state and found row is the same. The kernels' staged
+    # copies become a stream call (only in lookup_ahead: `lookup` copies at once); the
     # reference's host-computed copies cannot nest in one, so they run in place.
-    def steps(cache, batch, topk):
+    def in_order(cache, batch, topk, x):
         found = []
         for group in (1, 0, 1, 0):
             cache, f = cache.lookup(group, topk if group else topk[::-1], batch)
             found.append(f)
-        return cache, found
+        return cache, found, x
 
+    x = jnp.eye(4, dtype=jnp.float32)
     runs = []
-    for stream in (None, 1):
+    for steps, stream in ((in_order, 1), (_ahead_steps, None), (_ahead_steps, 1)):
         cache, batch, host, tables = _two_groups(residency, stream, backend)
-        runs.append(jax.jit(steps)(cache, batch, _topk()))
-        lowered = jax.jit(steps).lower(cache, batch, _topk()).as_text()
+        runs.append(jax.jit(steps)(cache, batch, _topk(), x)[:2])
+        lowered = jax.jit(steps).lower(cache, batch, _topk(), x).as_text()
         calls = [line for line in lowered.splitlines()
                  if "call @compute_on" in line and '_xla_stream_annotation = "1"' in line]
-        assert bool(calls) == bool(stream and residency.reads_host and backend == "triton")
-    (want_cache, want), (got_cache, got) = runs
-    chex.assert_trees_all_equal(got, want)
-    chex.assert_trees_all_equal(got_cache.caches, want_cache.caches)
-    chex.assert_trees_all_equal(got_cache.hot, want_cache.hot)
+        assert bool(calls) == bool(steps is _ahead_steps and stream and residency.reads_host
+                                   and backend == "triton")
+    want_cache, want = runs[0]
+    for got_cache, got in runs[1:]:
+        chex.assert_trees_all_equal(got, want)
+        chex.assert_trees_all_equal(got_cache.caches, want_cache.caches)
+        chex.assert_trees_all_equal(got_cache.hot, want_cache.hot)
     if residency.reads_host:
         _check_lookup(got_cache, got[2], _topk(), host, tables, layers=[1])
         _check_lookup(got_cache, got[3], _topk()[::-1], host, tables, layers=[0])
@@ -283,20 +300,25 @@ def test_a_lookup_on_a_copy_stream_equals_one_in_model_order(residency, backend)
 
 
 @pytest.mark.gpu
-def test_a_copy_stream_lookup_compiles_to_an_async_call_without_copying_the_caches():
-    # On the GPU each group's copies from host are an asynchronous call (call-start /
-    # call-done) on stream 1 that fills a staging buffer; the caches are updated in place on
-    # the main stream: no instruction copies a cache.
+def test_a_lookup_made_ahead_compiles_to_an_async_call_around_the_work_before_its_landing():
+    # On the GPU a lookup made ahead copies from host in an asynchronous call (call-start /
+    # call-done) on stream 1 that fills a staging buffer; XLA schedules the work traced
+    # between lookup_ahead and land (here a matrix product) between the call's start and its
+    # done; the caches are updated in place on the main stream: no instruction copies one.
     cache, batch, _, _ = _two_groups(HiSparse(), 1, "triton")
-
-    def steps(cache, batch, topk):
-        cache, a = cache.lookup(0, topk, batch)
-        cache, b = cache.lookup(1, topk[::-1], batch)
-        return cache, a, b
-
-    text = jax.jit(steps, donate_argnums=0).lower(cache, batch, _topk()).compile().as_text()
-    starts = [line for line in text.splitlines() if " call-start(" in line]
-    assert starts and all('_xla_stream_annotation="1"' in line for line in starts), starts
+    x = jnp.ones((512, 512), jnp.float32)
+    text = jax.jit(_ahead_steps, donate_argnums=0).lower(
+        cache, batch, _topk(), x).compile().as_text()
+    entry = text[text.index("\nENTRY "):].splitlines()
+    names = {line.split("=")[0].strip(): i for i, line in enumerate(entry) if " = " in line}
+    dones = [i for i, line in enumerate(entry) if " call-done(" in line]
+    assert len(dones) == 4, entry
+    for done in dones:
+        start = names[re.search(r" call-done\((%?[\w.-]+)", entry[done]).group(1)]
+        assert '_xla_stream_annotation="1"' in entry[start], entry[start]
+        between = entry[start + 1:done]  # the work's matrix product, at least
+        assert any("f32[512,512]" in line and ("custom-call(" in line or " fusion(" in line)
+                   for line in between), between
     shape = "f32[{},{},{}]".format(*cache.caches[0].shape)
     copies = [line for line in text.splitlines()
               if f"= {shape}" in line and (" copy(" in line or " copy-start(" in line)]

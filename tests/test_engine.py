@@ -155,9 +155,9 @@ def test_external_topk_modes_decode_the_same_tokens():
 
 @pytest.mark.parametrize("mode", [dict(), dict(naive_offload=True)], ids=["hisparse", "naive"])
 def test_lookups_on_a_copy_stream_decode_what_the_main_stream_decodes(mode):
-    # `copy_stream` issues both groups' lookups before the layers run, each as one call on
-    # another stream: the tokens are those of lookups in model order. (The rows moved are
-    # not compared: they depend on when the transfer worker's spills complete.)
+    # `copy_stream` looks group 1 up ahead, during group 0's layers, its copies staged by one
+    # call on another stream: the tokens are those of lookups in model order. (The rows
+    # moved are not compared: they depend on when the transfer worker's spills complete.)
     drift = DriftTopK(turnover=0.25, seed=3)
     runs = [_run_external(drift, num_gpu_blocks=44, copy_stream=stream, ops_backend="triton",
                           **mode)

@@ -154,11 +154,12 @@ class EngineConfig:
         hot region (`docs/semantics.md`), for 2 bytes per position, per seat and index
         group (max_seats * max_model_len * 2 bytes each). False: the search rule.
       copy_stream: None (default): a decode step's copies from host run on the main GPU
-        stream. An int s >= 1 (experimental): on GPU stream s, through a staging buffer
-        (`HiSparseKVCache.copy_stream`); with a topk_source group g + 1 is looked up before
-        group g attends, so that its copies could overlap that work. Same tokens; ignored
-        off the GPU and by all-resident engines. On jax 0.11.2 XLA does not overlap the call
-        yet, so it costs a little (`docs/host_pool.md`).
+        stream. An int s >= 1 (experimental): with a topk_source each index group after the
+        first is looked up ahead (`HiSparseKVCache.lookup_ahead`), its copies staged on GPU
+        stream s while the previous group's layers run, and landed before its own layers.
+        Same tokens; ignored off the GPU and by all-resident engines. On jax 0.11.2 XLA
+        still starts those copies right before they are needed in the decode step, so it
+        costs a little (`docs/host_pool.md`).
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.

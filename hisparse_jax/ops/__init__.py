@@ -4,6 +4,8 @@
   invalidate_written_rows          drop stale hot copies of rewritten rows (`residency.py`)
   gather_compact                   host pool -> device cache rows, one layer (`copies.py`)
   gather_compact_group             the same plan into every layer of an index group
+  gather_compact_group_start,      the same, split around other work: start on a copy
+    _finish, StagedCopies          stream, land in the caches later (`copies.py`)
   mirror_rows                      device cache -> host pool rows (`copies.py`)
   mirror_rows_group                the same row list into every layer's pool, one call
   restore_rows                     host -> device rows of the host tier's restores
@@ -23,8 +25,11 @@ dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes `kv_format=`.
 from hisparse_jax.ops._registry import BACKENDS, registered_backends
 from hisparse_jax.ops.attention import sparse_mla_decode
 from hisparse_jax.ops.copies import (
+    StagedCopies,
     gather_compact,
     gather_compact_group,
+    gather_compact_group_finish,
+    gather_compact_group_start,
     mirror_rows,
     mirror_rows_group,
     restore_rows,
@@ -37,9 +42,12 @@ __all__ = [
     "BACKENDS",
     "KV_FORMATS",
     "Resolution",
+    "StagedCopies",
     "StagedRows",
     "gather_compact",
     "gather_compact_group",
+    "gather_compact_group_finish",
+    "gather_compact_group_start",
     "invalidate_written_rows",
     "mirror_rows",
     "mirror_rows_group",

@@ -21,6 +21,7 @@ GPU, else the reference).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -75,31 +76,132 @@ def _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, bac
                                      swap_dst, swap_counts))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StagedCopies:
+    """A swap plan whose first rows are crossing PCIe on a copy stream
+    (`gather_compact_group_start`); `gather_compact_group_finish` lands it in the caches.
+
+    Attributes:
+      staging: one buffer per pool array [N, stage_rows, pool row width], filled on the copy
+        stream: row (n, m) holds the pool row swap_src[n, m] for m < stage_rows.
+      swap_src, swap_dst, swap_counts: the plan (int32[N, K], int32[N, K], int32[N]).
+      backend: the copy implementation the two halves use (static).
+    """
+
+    staging: tuple[jax.Array, ...]
+    swap_src: jax.Array
+    swap_dst: jax.Array
+    swap_counts: jax.Array
+    backend: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def stage_rows(self) -> int:
+        return self.staging[0].shape[1] if self.staging else 0
+
+
+def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stage_rows):
+    gather = _registry.implementation("gather_compact_group", backend)
+    n, k = swap_src.shape
+    c = min(stage_rows, k)
+
+    def stage(pools, src, counts):
+        m = jnp.arange(k, dtype=jnp.int32)[None, :]
+        stage_row = jnp.arange(n, dtype=jnp.int32)[:, None] * c + m  # (n, m) -> staging row
+        bufs = tuple(jnp.zeros((n, c, p.shape[-1]), p.dtype) for p in pools)
+        return tuple(gather(pools, bufs, src, jnp.where(m < c, stage_row, -1), counts))
+
+    # Across PCIe on the copy stream: each pool array's whole (packed) rows, one launch. The
+    # call's operands are the pools and the plan alone (the staging rows are made inside):
+    # XLA starts it as soon as its last operand is computed, so that must be the plan.
+    staging = _compat.on_stream(stage, stream)(tuple(host_pools), swap_src, swap_counts)
+    return StagedCopies(tuple(staging), swap_src, swap_dst, swap_counts, backend)
+
+
+def _finish(host_pools, kv_caches, staged, after=None):
+    gather = _registry.implementation("gather_compact_group", staged.backend)
+    src, dst, counts = staged.swap_src, staged.swap_dst, staged.swap_counts
+    n, k = src.shape
+    c = staged.stage_rows
+    staging = staged.staging
+    if after is not None:  # the landing waits for `after`: the copies overlap what makes it
+        staging, _ = jax.lax.optimization_barrier((staging, after))
+    m = jnp.arange(k, dtype=jnp.int32)[None, :]
+    staged_m = m < c
+    stage_row = jnp.arange(n, dtype=jnp.int32)[:, None] * c + m
+    # On this stream: staging -> caches (device to device), then the misses past c, if any.
+    kv_caches = tuple(gather(staging, kv_caches, jnp.where(staged_m & (src >= 0), stage_row, -1),
+                             dst, counts))
+    if c < k:
+        kv_caches = tuple(gather(host_pools, kv_caches, jnp.where(staged_m, -1, src), dst,
+                                 counts))
+    return kv_caches
+
+
 @functools.partial(jax.jit, static_argnames=("backend", "stream", "stage_rows"),
                    donate_argnames=("kv_caches",))
 def _gather_group_staged(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, backend,
                          stream, stage_rows):
-    gather = _registry.implementation("gather_compact_group", backend)
-    n, k = swap_src.shape
-    c = min(stage_rows, k)
-    m = jnp.arange(k, dtype=jnp.int32)[None, :]
-    staged = m < c
-    stage_row = jnp.arange(n, dtype=jnp.int32)[:, None] * c + m  # (n, m) -> staging row
+    staged = _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend,
+                    stream=stream, stage_rows=stage_rows)
+    return _finish(host_pools, kv_caches, staged)
 
-    def stage(pools, src, dst, counts):
-        bufs = tuple(jnp.zeros((n, c, p.shape[-1]), p.dtype) for p in pools)
-        return tuple(gather(pools, bufs, src, dst, counts))
 
-    # Across PCIe on the copy stream: each pool array's whole (packed) rows, one launch.
-    bufs = _compat.on_stream(stage, stream)(
-        host_pools, swap_src, jnp.where(staged, stage_row, -1), swap_counts)
-    # On this stream: staging -> caches (device to device), then the misses past c, if any.
-    kv_caches = tuple(gather(bufs, kv_caches, jnp.where(staged & (swap_src >= 0), stage_row, -1),
-                             swap_dst, swap_counts))
-    if c < k:
-        kv_caches = tuple(gather(host_pools, kv_caches, jnp.where(staged, -1, swap_src),
-                                 swap_dst, swap_counts))
-    return kv_caches
+def _check_stream_args(stream, stage_rows):
+    for name, value in (("stream", stream), ("stage_rows", stage_rows)):
+        if value is not None:
+            _checks.check_static_int(name, value, minimum=1)
+
+
+def gather_compact_group_start(
+    host_pools: Sequence[jax.Array],
+    kv_caches: Sequence[jax.Array],
+    swap_src: jax.Array,
+    swap_dst: jax.Array,
+    swap_counts: jax.Array,
+    *,
+    stream: int,
+    backend: str | None = None,
+    stage_rows: int | None = None,
+) -> StagedCopies:
+    """The first half of `gather_compact_group(stream=stream)`, for use inside a jit: starts
+    the copies of the plan's first `stage_rows` misses per row (K // 8 when None) on GPU
+    stream `stream` into staging buffers it allocates, and returns them in flight.
+    `gather_compact_group_finish` lands them (and the misses past stage_rows) in the
+    caches; the work traced between the two, when it does not read those caches, may run
+    while the rows cross. kv_caches is only checked here (the caches the plan lands in).
+
+    Raises: as `gather_compact_group`; stream is required.
+    """
+    host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
+    _checks.validate_group(host_pools, kv_caches)
+    _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
+    _checks.check_static_int("stream", stream, minimum=1)  # required here
+    _check_stream_args(stream, stage_rows)
+    backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
+                               swap_src, swap_dst, swap_counts)
+    return _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend, stream=stream,
+                  stage_rows=stage_rows or max(1, swap_src.shape[1] // 8))
+
+
+def gather_compact_group_finish(
+    host_pools: Sequence[jax.Array],
+    kv_caches: Sequence[jax.Array],
+    staged: StagedCopies,
+    *,
+    after: object = None,
+) -> tuple[jax.Array, ...]:
+    """The second half: lands `staged` (`gather_compact_group_start` of the same pools and
+    plan) in kv_caches and copies the misses past its stage_rows from the pools; returns the
+    updated caches (the same as `gather_compact_group`'s). after: arrays (any pytree) the
+    landing waits for, so that the work computing them runs while the rows cross (XLA would
+    otherwise wait for the copies as soon as their results are free to land)."""
+    host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
+    _checks.validate_group(host_pools, kv_caches)
+    if not isinstance(staged, StagedCopies) or len(staged.staging) != len(host_pools):
+        raise ValueError("staged must be the StagedCopies of gather_compact_group_start over "
+                         f"the same {len(host_pools)} pool arrays")
+    return _finish(host_pools, kv_caches, staged, after)
 
 
 def gather_compact_group(
@@ -143,9 +245,7 @@ def gather_compact_group(
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
-    for name, value in (("stream", stream), ("stage_rows", stage_rows)):
-        if value is not None:
-            _checks.check_static_int(name, value, minimum=1)
+    _check_stream_args(stream, stage_rows)
     if not kv_caches:
         return ()
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,

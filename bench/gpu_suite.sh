@@ -23,7 +23,8 @@
 #        of the attention, resolve and gather kernels: bench/ncu_kernels.py), attention_splits
 #        (the attention kernel's device time at N = 1-8 against its K split count), copy_stream
 #        (EngineConfig.copy_stream: its tests compiled, the async profile at 256 without and with),
-#        e2e_copy_stream (a HiSparse / all-resident pair at 1 and 256 with it)
+#        e2e_copy_stream (a HiSparse / all-resident pair at 1 and 256 with it), stream_overlap
+#        (bench/stream_overlap.py: the copy-stream call's schedule against its staging size)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -101,6 +102,10 @@ run_step() {  # name, time limit in s, command...
           run_step copy_stream_schedule 60 python3 -m bench.xla_schedule /tmp/xla_dump_stream1 --output "bench/results/xla_schedule-packed_step-$tag-stream1.txt"
           cp "$(ls -S /tmp/xla_dump_stream1/*packed_step*after_optimizations.txt | head -n 1)" "$OUT/hot_step-$tag-stream1.hlo.txt"
         done ;;
+      # Whether XLA overlaps a copy-stream call with other work as the staging buffer grows
+      # (4 / 64 / 256 / 689 batch rows of 108 misses: 0.5 / 7.6 / 30 / 82 MiB; the engine stages
+      # 75 MiB at 256 requests).
+      stream_overlap) run_step stream_overlap 240 python3 -m bench.stream_overlap --n 4,64,256,689 ;;
       e2e_copy_stream) run_step e2e_copy_stream 240 python3 -m bench.e2e_decode --async-scheduling --copy-stream 1 --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-${COPY_TAG:-copy}-stream1-gpu.json" ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;

@@ -38,12 +38,12 @@ def entry_schedule(text: str) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dump_dir")
     p.add_argument("--module", default="", help="a part of the module names to keep")
     p.add_argument("--output", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     lines = []
     files = sorted(pathlib.Path(args.dump_dir).glob("*after_optimizations.txt"))
     for f in files:

@@ -175,7 +175,6 @@ class Lookup:
     misses: jax.Array
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingLookup:
@@ -203,6 +202,7 @@ class PendingLookup:
         plan = (self.copies.swap_src, self.copies.swap_counts)
         x, _ = jax.lax.optimization_barrier((x, plan))
         return x
+
 
 def layers_per_pool_array(num_arrays: int, num_layers: int, group_size: int) -> int:
     """G, the layers each of a host pool's `num_arrays` arrays holds side by side, for
@@ -393,8 +393,8 @@ class HiSparseKVCache:
         first misses on that stream; `land` completes the lookup and returns its `Lookup`.
         Trace the overlapped work between the two, and pass its inputs through
         `PendingLookup.precede` and its outputs as `land(after=...)`. That work must not
-        read this group's caches. Without a copy stream (or off the GPU) the copies run at
-        once, as in `lookup`; the results are the same either way."""
+        read this group's caches. Without a copy stream the copies run at once, as in
+        `lookup` (off the GPU the stream is ignored); the results are the same either way."""
         cache, found = self.residency.lookup(self, group, topk, batch,
                                              ahead=self.copy_stream is not None)
         if isinstance(found, PendingLookup):

@@ -100,20 +100,27 @@ class StagedCopies:
         return self.staging[0].shape[1] if self.staging else 0
 
 
+def _staging_rows(n: int, k: int, c: int) -> tuple[jax.Array, jax.Array]:
+    """m int32[1, K] (the plan's columns) and the staging row of each (n, m), for c staged
+    columns per batch row: n * c + m (meaningful where m < c)."""
+    m = jnp.arange(k, dtype=jnp.int32)[None, :]
+    return m, jnp.arange(n, dtype=jnp.int32)[:, None] * c + m
+
+
 def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stage_rows):
     gather = _registry.implementation("gather_compact_group", backend)
     n, k = swap_src.shape
     c = min(stage_rows, k)
 
     def stage(pools, src, counts):
-        m = jnp.arange(k, dtype=jnp.int32)[None, :]
-        stage_row = jnp.arange(n, dtype=jnp.int32)[:, None] * c + m  # (n, m) -> staging row
+        m, stage_row = _staging_rows(n, k, c)
         bufs = tuple(jnp.zeros((n, c, p.shape[-1]), p.dtype) for p in pools)
         return tuple(gather(pools, bufs, src, jnp.where(m < c, stage_row, -1), counts))
 
     # Across PCIe on the copy stream: each pool array's whole (packed) rows, one launch. The
-    # call's operands are the pools and the plan alone (the staging rows are made inside):
-    # XLA starts it as soon as its last operand is computed, so that must be the plan.
+    # call's operands are the pools and the plan alone (the staging rows are numbered
+    # inside), so that XLA may start it once the plan is computed: an operand XLA computes
+    # late (it placed such an operand-free one right before the landing) holds it back.
     staging = _compat.on_stream(stage, stream)(tuple(host_pools), swap_src, swap_counts)
     return StagedCopies(tuple(staging), swap_src, swap_dst, swap_counts, backend)
 
@@ -126,9 +133,8 @@ def _finish(host_pools, kv_caches, staged, after=None):
     staging = staged.staging
     if after is not None:  # the landing waits for `after`: the copies overlap what makes it
         staging, _ = jax.lax.optimization_barrier((staging, after))
-    m = jnp.arange(k, dtype=jnp.int32)[None, :]
+    m, stage_row = _staging_rows(n, k, c)
     staged_m = m < c
-    stage_row = jnp.arange(n, dtype=jnp.int32)[:, None] * c + m
     # On this stream: staging -> caches (device to device), then the misses past c, if any.
     kv_caches = tuple(gather(staging, kv_caches, jnp.where(staged_m & (src >= 0), stage_row, -1),
                              dst, counts))

@@ -56,7 +56,7 @@ def _program(stream: bool | None, work: int):
             return cache, chain(x)
         staged = gather_compact_group_start((pool,), (cache,), src, dst, counts, stream=1,
                                             stage_rows=src.shape[1])
-        x = chain(jax.lax.optimization_barrier((x, staged.swap_src))[0])
+        x = chain(staged.precede(x))
         return gather_compact_group_finish((pool,), (cache,), staged, after=x)[0], x
 
     return jax.jit(run, donate_argnums=(1,))

@@ -197,11 +197,7 @@ class PendingLookup:
         """`x` (any pytree of arrays), tied to this lookup's resolve: the work that reads the
         returned arrays comes after the resolve, so the copies (which start as soon as the
         resolve is done) run during that work rather than after it."""
-        if self.copies is None:
-            return x
-        plan = (self.copies.swap_src, self.copies.swap_counts)
-        x, _ = jax.lax.optimization_barrier((x, plan))
-        return x
+        return x if self.copies is None else self.copies.precede(x)
 
 
 def layers_per_pool_array(num_arrays: int, num_layers: int, group_size: int) -> int:

@@ -99,6 +99,13 @@ class StagedCopies:
     def stage_rows(self) -> int:
         return self.staging[0].shape[1] if self.staging else 0
 
+    def precede(self, x):
+        """`x` (any pytree of arrays), tied to the plan these copies read: the work that reads
+        the returned arrays comes after the plan is computed, so that the copies (which may
+        start then) run during that work rather than after it."""
+        x, _ = jax.lax.optimization_barrier((x, (self.swap_src, self.swap_counts)))
+        return x
+
 
 def _staging_rows(n: int, k: int, c: int) -> tuple[jax.Array, jax.Array]:
     """m int32[1, K] (the plan's columns) and the staging row of each (n, m), for c staged
@@ -110,7 +117,7 @@ def _staging_rows(n: int, k: int, c: int) -> tuple[jax.Array, jax.Array]:
 def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stage_rows):
     gather = _registry.implementation("gather_compact_group", backend)
     n, k = swap_src.shape
-    c = min(stage_rows, k)
+    c = min(stage_rows or max(1, k // 8), k)  # None: an eighth of the plan's width
 
     def stage(pools, src, counts):
         m, stage_row = _staging_rows(n, k, c)
@@ -183,11 +190,11 @@ def gather_compact_group_start(
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
     _checks.check_static_int("stream", stream, minimum=1)  # required here
-    _check_stream_args(stream, stage_rows)
+    _check_stream_args(None, stage_rows)
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
                                swap_src, swap_dst, swap_counts)
     return _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend, stream=stream,
-                  stage_rows=stage_rows or max(1, swap_src.shape[1] // 8))
+                  stage_rows=stage_rows)
 
 
 def gather_compact_group_finish(
@@ -259,7 +266,7 @@ def gather_compact_group(
     if stream is not None and swap_src.size:
         return _gather_group_staged(
             host_pools, kv_caches, swap_src, swap_dst, swap_counts, backend=backend,
-            stream=stream, stage_rows=stage_rows or max(1, swap_src.shape[1] // 8))
+            stream=stream, stage_rows=stage_rows)
     return _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
                          backend=backend, fused=bool(fused))
 

@@ -121,6 +121,7 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
         kv_format=kv_format, position_map=not getattr(args, "no_position_map", False),
         copy_stream=getattr(args, "copy_stream", None),
+        copy_programs=getattr(args, "copy_programs", None),
         async_scheduling=getattr(args, "async_scheduling", False), **(extra or {}))
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
@@ -487,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="EngineConfig.copy_stream: look each index group after the first up "
                         "ahead, its copies from host on this GPU stream during the previous "
                         "group's layers (default: the main stream, in model order)")
+    p.add_argument("--copy-programs", type=int, default=None,
+                   help="EngineConfig.copy_programs: at most this many GPU programs move the "
+                        "copies on --copy-stream (default: a program per chunk of misses)")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
@@ -548,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
               "num_layers": cfg.num_layers, "index_group_size": cfg.index_group_size,
               "host_pool_layout": args.host_pool_layout,
               "position_map": not args.no_position_map, "copy_stream": args.copy_stream,
+              "copy_programs": args.copy_programs,
               "topk_source": ("the model's indexer over synthetic unit-normal index keys"
                               if args.indexer else f"trace {args.trace}" if args.trace
                               else "drift model"),

@@ -92,21 +92,27 @@ run_step() {  # name, time limit in s, command...
         tag=${COPY_TAG:-copy}
         HISPARSE_EXAMPLES=${HISPARSE_EXAMPLES:-10} run_step copy_stream_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py tests/test_engine.py tests/ops/test_gather_compact.py -k "copy_stream or stream_stage or ahead"
         for run in ${COPY_PROFILES:-main stream1}; do
-          if [ "$run" = main ]; then
-            run_step profile_copy_main 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-main.json"
+          # main: copies on the main stream; main-pP: moved by at most P programs.
+          if [ "${run%%-*}" = main ]; then
+            progs=${run#main}; progs=${progs#-p}
+            run_step "profile_copy_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling ${progs:+--copy-programs $progs} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
             continue
           fi
+          # stream1: copies on stream 1; stream1-pP: and at most P programs moving them.
+          progs=${run#stream1}; progs=${progs#-p}
           rm -rf /tmp/xla_dump_stream1
           XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_stream1 --xla_dump_hlo_module_re=.*packed_step.*" \
-            run_step profile_copy_stream1 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --copy-stream 1 --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-stream1.json"
-          run_step copy_stream_schedule 60 python3 -m bench.xla_schedule /tmp/xla_dump_stream1 --output "bench/results/xla_schedule-packed_step-$tag-stream1.txt"
-          cp "$(ls -S /tmp/xla_dump_stream1/*packed_step*after_optimizations.txt | head -n 1)" "$OUT/hot_step-$tag-stream1.hlo.txt"
+            run_step "profile_copy_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --copy-stream 1 ${progs:+--copy-programs $progs} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
+          run_step copy_stream_schedule 60 python3 -m bench.xla_schedule /tmp/xla_dump_stream1 --output "bench/results/xla_schedule-packed_step-$tag-$run.txt"
+          cp "$(ls -S /tmp/xla_dump_stream1/*packed_step*after_optimizations.txt | head -n 1)" "$OUT/hot_step-$tag-$run.hlo.txt"
         done ;;
       # Whether XLA overlaps a copy-stream call with other work as the staging buffer grows
       # (4 / 64 / 256 / 689 batch rows of 108 misses: 0.5 / 7.6 / 30 / 82 MiB; the engine stages
       # 75 MiB at 256 requests).
-      stream_overlap) run_step stream_overlap 240 python3 -m bench.stream_overlap --n 4,64,256,689 ;;
-      e2e_copy_stream) run_step e2e_copy_stream 240 python3 -m bench.e2e_decode --async-scheduling --copy-stream 1 --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-${COPY_TAG:-copy}-stream1-gpu.json" ;;
+      # OVERLAP_PROGRAMS: copy_programs values of the stream case (grid: a program per chunk).
+      stream_overlap) run_step stream_overlap 300 python3 -m bench.stream_overlap --n "${OVERLAP_N:-4,64,256,689}" --programs "${OVERLAP_PROGRAMS:-grid}" --dump "$OUT/stream_overlap_hlo" ;;
+      # COPY_PROGRAMS: EngineConfig.copy_programs of the HiSparse runs (default: the grid).
+      e2e_copy_stream) run_step e2e_copy_stream 240 python3 -m bench.e2e_decode --async-scheduling --copy-stream 1 ${COPY_PROGRAMS:+--copy-programs $COPY_PROGRAMS} --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-${COPY_TAG:-copy}-stream1${COPY_PROGRAMS:+-p$COPY_PROGRAMS}-gpu.json" ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.

@@ -444,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-stream", type=int, default=None,
                    help="EngineConfig.copy_stream: group g + 1's copies from host on this GPU "
                         "stream, looked up ahead during group g's layers")
+    p.add_argument("--copy-programs", type=int, default=None,
+                   help="EngineConfig.copy_programs: at most this many GPU programs move them")
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=8)
@@ -517,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                        "turnover": args.turnover, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling,
                        "position_map": not args.no_position_map,
-                       "copy_stream": args.copy_stream, **sizes},
+                       "copy_stream": args.copy_stream,
+                       "copy_programs": args.copy_programs, **sizes},
             "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device, "isolated": isolated,

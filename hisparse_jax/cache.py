@@ -306,6 +306,9 @@ class HiSparseKVCache:
         source) looks group g + 1 up ahead and lands it after group g's layers. Same
         results; ignored off the GPU. In the engine's step XLA does not overlap the copies
         yet (`docs/host_pool.md`).
+      copy_programs: None (default), or an int P >= 1 (static): at most P GPU programs move
+        a lookup's copies from host (`gather_compact_group`), each looping over its share,
+        instead of a program per chunk of every row's plan. Same results.
     """
 
     caches: tuple[jax.Array, ...]
@@ -317,22 +320,26 @@ class HiSparseKVCache:
     ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
     kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
     copy_stream: int | None = dataclasses.field(default=None, metadata=_STATIC)
+    copy_programs: int | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
                index_group_size: int = 1, ops_backend: str | None = None,
-               copy_stream: int | None = None) -> HiSparseKVCache:
+               copy_stream: int | None = None, copy_programs: int | None = None
+               ) -> HiSparseKVCache:
         """Zero caches [cfg.num_gpu_blocks, B, cfg.storage_width] (cfg.storage_dtype) per
         layer and an empty hot state per index group; host_rows and kv_format from cfg (no
         host pool: host_rows 0).
 
         Raises:
-          ValueError: copy_stream is neither None nor an int >= 1.
+          ValueError: copy_stream or copy_programs is neither None nor an int >= 1.
         """
-        if copy_stream is not None and (not isinstance(copy_stream, int)
-                                        or isinstance(copy_stream, bool) or copy_stream < 1):
-            raise ValueError(f"copy_stream must be None or an int >= 1 (a GPU stream other "
-                             f"than the main one), got {copy_stream!r}")
+        for name, value in (("copy_stream", copy_stream), ("copy_programs", copy_programs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}"
+                                 + (" (a GPU stream other than the main one)"
+                                    if name == "copy_stream" else ""))
         num_blocks = cfg.require("num_gpu_blocks")
         shape = (num_blocks, cfg.block_size, cfg.storage_width)
         return cls(
@@ -340,7 +347,7 @@ class HiSparseKVCache:
             hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
             residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
             host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format,
-            copy_stream=copy_stream)
+            copy_stream=copy_stream, copy_programs=copy_programs)
 
     @property
     def num_layers(self) -> int:
@@ -409,7 +416,7 @@ class HiSparseKVCache:
         caches = list(self.caches)
         caches[layers] = gather_compact_group_finish(
             batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
-            pending.copies, after=after)
+            pending.copies, after=after, copy_programs=self.copy_programs)
         return dataclasses.replace(self, caches=tuple(caches)), pending.found
 
     def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
@@ -427,11 +434,13 @@ class HiSparseKVCache:
         if ahead and resolution.swap_src.size:
             copies = gather_compact_group_start(pools, self.caches[layers], *plan,
                                                 stream=self.copy_stream,
-                                                backend=self.ops_backend)
+                                                backend=self.ops_backend,
+                                                copy_programs=self.copy_programs)
             cache = dataclasses.replace(self, hot=_replace(self.hot, group, hot))
             return cache, PendingLookup(group, found, copies)
         caches = list(self.caches)
         caches[layers] = gather_compact_group(pools, caches[layers], *plan,
-                                              backend=self.ops_backend)
+                                              backend=self.ops_backend,
+                                              copy_programs=self.copy_programs)
         cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
         return cache, found

@@ -83,6 +83,19 @@ def on_stream(fn: Callable[..., Any], stream: int) -> Callable[..., Any]:
     return call
 
 
+# XLA options (its DebugOptions, as `jax.jit(compiler_options=...)`) meant to make XLA start an
+# asynchronous call, such as `on_stream`'s, as soon as its operands are ready: they switch off
+# XLA's latency-hiding scheduler (its own flag, and on Hopper the analytical latency estimator
+# that also turns it on), which does not count a stream call among the asynchronous
+# operations it hides and places the call's start right before its done. Measured on the H200
+# with jax 0.11.2 (`bench/stream_overlap.py`, the only user): the start stays right before
+# the done, so no library code sets them. Known to jaxlib 0.10.2 through 0.12.
+EARLY_ASYNC_START_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": False,
+    "xla_gpu_enable_analytical_sol_latency_estimator": False,
+}
+
+
 def _computes_elsewhere(jaxpr: Any) -> bool:
     """True when any equation of `jaxpr` (or of a jaxpr inside it) carries a compute type:
     a `compute_on` call (jax >= 0.11, and 0.10's function form) or an equation traced under

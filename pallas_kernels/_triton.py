@@ -103,11 +103,16 @@ class CopyTuning:
 
     rows_per_program: rows one program moves (a power of two); None picks from the size.
     num_warps: warps per program. max_piece: widest power-of-two column piece per load.
+    max_programs: None, one program per chunk of rows (the grid covers the plan); an int P,
+    at most P programs, each looping over its share of the chunks, so that the copy holds at
+    most P programs' places on the GPU and work on another stream gets the rest (a copy
+    from pinned host is bound by PCIe, not by the programs moving it).
     """
 
     rows_per_program: int | None = None
     num_warps: int = 4
     max_piece: int = 512
+    max_programs: int | None = None
 
 
 def rows_per_program(total_rows: int, tuning: CopyTuning) -> int:

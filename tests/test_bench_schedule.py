@@ -58,20 +58,28 @@ def test_the_schedule_of_a_dump_directory(tmp_path, capsys):
 def test_stream_overlap_runs_on_the_cpu(tmp_path):
     # Off the GPU the stream is ignored: no asynchronous call, and the copies land all the
     # same (the program's cache equals the main-stream program's).
-    r = stream_overlap.case(n=3, misses=4, work=1, dim=32, reps=1)
-    assert r["async_call"] is False and r["kernels_between_start_and_done"] == 0
+    r = stream_overlap.case(n=3, misses=4, work=1, dim=32, reps=1, programs_list=(None, 2))
+    assert [(s["copy_programs"], s["early_async_start"]) for s in r["stream"]] == [
+        (None, False), (None, True), (2, False), (2, True)]
+    for s in r["stream"]:
+        assert s["async_call"] is False and s["kernels_between_start_and_done"] == 0
+        assert s["stream_wall_ms"] > 0 and s["copies_only_wall_ms"] > 0
     assert r["staging_mib"] == 3 * 4 * 576 * 2 / 2**20
-    assert all(r[f"{k}_wall_ms"] > 0 for k in ("stream", "main", "work_only"))
+    assert r["main_wall_ms"] > 0 and r["work_only_wall_ms"] > 0
     out = tmp_path / "so.json"
     stream_overlap.main(["--n", "2", "--misses", "2", "--work", "1", "--dim", "16",
-                         "--reps", "1", "--output", str(out)])
+                         "--reps", "1", "--programs", "grid,1", "--output", str(out),
+                         "--dump", str(tmp_path / "hlo")])
     assert [r["n"] for r in json.loads(out.read_text())["results"]] == [2]
+    assert sorted(f.name for f in (tmp_path / "hlo").iterdir()) == [
+        "stream_overlap-n2-p1-early.txt", "stream_overlap-n2-p1.txt",
+        "stream_overlap-n2-pgrid-early.txt", "stream_overlap-n2-pgrid.txt"]
 
 
 def test_the_stream_program_lands_what_the_main_stream_program_lands():
     outs = []
     for stream in (True, False):
-        fn = stream_overlap._program(stream, work=1)
+        fn = stream_overlap._program(stream, work=1, programs=None if stream else 1)
         pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
         pool = jax.device_put(jnp.arange(64 * 576, dtype=jnp.float32).reshape(64, 576)
                               .astype(jnp.bfloat16), pinned)

@@ -243,11 +243,12 @@ def test_the_cache_is_donated_at_a_jit_boundary_and_the_host_pools_are_not():
     assert jax.tree.leaves(new.with_residency(AllResident()))[0] is jax.tree.leaves(new)[0]
 
 
-def _two_groups(residency, copy_stream, backend):
+def _two_groups(residency, copy_stream, backend, copy_programs=None):
     """The setup's two layers as two index groups of one layer each, one pool per layer."""
     cache, batch, host, tables = _setup(residency)
     cache = dataclasses.replace(cache, index_group_size=1, hot=cache.hot * 2,
-                                copy_stream=copy_stream, ops_backend=backend)
+                                copy_stream=copy_stream, ops_backend=backend,
+                                copy_programs=copy_programs)
     return cache, batch, host, tables
 
 
@@ -268,9 +269,10 @@ def _ahead_steps(cache, batch, topk, x):
 def test_lookups_made_ahead_on_a_copy_stream_equal_lookups_in_model_order(residency, backend):
     # The same four lookups by `lookup` without a stream and by lookup_ahead / land with
     # and without stream 1 (one miss per row staged on the stream, the rest copied on the
-    # main stream): every cache, hot state and found row is the same. The kernels' staged
-    # copies become a stream call (only in lookup_ahead: `lookup` copies at once); the
-    # reference's host-computed copies cannot nest in one, so they run in place.
+    # main stream; then with the copies moved by 2 or 3 looping programs): every cache, hot
+    # state and found row is the same. The kernels' staged copies become a stream call (only
+    # in lookup_ahead: `lookup` copies at once); the reference's host-computed copies cannot
+    # nest in one, so they run in place.
     def in_order(cache, batch, topk, x):
         found = []
         for group in (1, 0, 1, 0):
@@ -280,8 +282,10 @@ def test_lookups_made_ahead_on_a_copy_stream_equal_lookups_in_model_order(reside
 
     x = jnp.eye(4, dtype=jnp.float32)
     runs = []
-    for steps, stream in ((in_order, 1), (_ahead_steps, None), (_ahead_steps, 1)):
-        cache, batch, host, tables = _two_groups(residency, stream, backend)
+    for steps, stream, programs in ((in_order, 1, None), (in_order, None, 3),
+                                    (_ahead_steps, None, None), (_ahead_steps, 1, None),
+                                    (_ahead_steps, 1, 2)):
+        cache, batch, host, tables = _two_groups(residency, stream, backend, programs)
         runs.append(jax.jit(steps)(cache, batch, _topk(), x)[:2])
         lowered = jax.jit(steps).lower(cache, batch, _topk(), x).as_text()
         calls = [line for line in lowered.splitlines()
@@ -339,6 +343,11 @@ def test_create_follows_the_config():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="copy_stream must be None or an int >= 1"):
             HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=bad)
+        with pytest.raises(ValueError, match="copy_programs must be None or an int >= 1"):
+            HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
+                                   copy_programs=bad)
+    assert HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
+                                  copy_programs=4).copy_programs == 4
     with pytest.raises(ValueError, match="num_gpu_blocks is unknown"):
         HiSparseKVCache.create(no_sizes, num_layers=1, residency=AllResident())
     with pytest.raises(ValueError, match="max_model_len is unknown"):

@@ -160,6 +160,9 @@ class EngineConfig:
         Same tokens; ignored off the GPU and by all-resident engines. On jax 0.11.2 XLA
         still starts those copies right before they are needed in the decode step, so it
         costs a little (`docs/host_pool.md`).
+      copy_programs: None (default), or an int P >= 1: at most P GPU programs move a
+        decode step's copies from host, each looping over its share, instead of a program
+        per chunk of every row's plan (`HiSparseKVCache.copy_programs`). Same tokens.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -194,6 +197,7 @@ class EngineConfig:
     pack_host_layers: bool = True
     position_map: bool = True
     copy_stream: int | None = None
+    copy_programs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -208,7 +212,8 @@ class EngineConfig:
         for name in ("max_seats", "max_model_len", "block_size", "prefill_bucket"):
             _check_int(name, getattr(self, name), minimum=1)
         for name, minimum in (("hot_size", 1), ("max_traces", 1), ("num_gpu_blocks", 2),
-                              ("num_host_blocks", 2), ("copy_stream", 1)):
+                              ("num_host_blocks", 2), ("copy_stream", 1),
+                              ("copy_programs", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=minimum, optional=True)
                 object.__setattr__(self, name, int(getattr(self, name)))

@@ -64,12 +64,22 @@ def gather_compact(
     return _gather(host_pool, kv_cache, swap_src, swap_dst, swap_counts, backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "fused"), donate_argnames=("kv_caches",))
-def _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, backend, fused):
-    if fused:
-        return tuple(_registry.implementation("gather_compact_group", backend)(
-            host_pools, kv_caches, swap_src, swap_dst, swap_counts))
+def _group_kernel(backend, programs):
+    """The gather_compact_group implementation of `backend`, moving its rows with at most
+    `programs` GPU programs when given (the reference has no programs: ignored)."""
     gather = _registry.implementation("gather_compact_group", backend)
+    if programs is not None and backend != "reference":
+        gather = functools.partial(gather, max_programs=programs)
+    return gather
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "fused", "programs"),
+                   donate_argnames=("kv_caches",))
+def _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, backend, fused,
+                  programs=None):
+    gather = _group_kernel(backend, programs)
+    if fused:
+        return tuple(gather(host_pools, kv_caches, swap_src, swap_dst, swap_counts))
     pack = len(kv_caches) // len(host_pools)
     return tuple(cache for a, pool in enumerate(host_pools)
                  for cache in gather((pool,), kv_caches[a * pack:(a + 1) * pack], swap_src,
@@ -114,8 +124,9 @@ def _staging_rows(n: int, k: int, c: int) -> tuple[jax.Array, jax.Array]:
     return m, jnp.arange(n, dtype=jnp.int32)[:, None] * c + m
 
 
-def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stage_rows):
-    gather = _registry.implementation("gather_compact_group", backend)
+def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stage_rows,
+           programs=None):
+    gather = _group_kernel(backend, programs)
     n, k = swap_src.shape
     c = min(stage_rows or max(1, k // 8), k)  # None: an eighth of the plan's width
 
@@ -132,8 +143,10 @@ def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stag
     return StagedCopies(tuple(staging), swap_src, swap_dst, swap_counts, backend)
 
 
-def _finish(host_pools, kv_caches, staged, after=None):
-    gather = _registry.implementation("gather_compact_group", staged.backend)
+def _finish(host_pools, kv_caches, staged, after=None, programs=None):
+    # The landing reads device memory: the kernel's full grid. `programs` moves the misses
+    # past the staged ones, from host.
+    gather = _group_kernel(staged.backend, None)
     src, dst, counts = staged.swap_src, staged.swap_dst, staged.swap_counts
     n, k = src.shape
     c = staged.stage_rows
@@ -146,22 +159,23 @@ def _finish(host_pools, kv_caches, staged, after=None):
     kv_caches = tuple(gather(staging, kv_caches, jnp.where(staged_m & (src >= 0), stage_row, -1),
                              dst, counts))
     if c < k:
-        kv_caches = tuple(gather(host_pools, kv_caches, jnp.where(staged_m, -1, src), dst,
-                                 counts))
+        kv_caches = tuple(_group_kernel(staged.backend, programs)(
+            host_pools, kv_caches, jnp.where(staged_m, -1, src), dst, counts))
     return kv_caches
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "stream", "stage_rows"),
+@functools.partial(jax.jit, static_argnames=("backend", "stream", "stage_rows", "programs"),
                    donate_argnames=("kv_caches",))
 def _gather_group_staged(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, backend,
-                         stream, stage_rows):
+                         stream, stage_rows, programs):
     staged = _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend,
-                    stream=stream, stage_rows=stage_rows)
-    return _finish(host_pools, kv_caches, staged)
+                    stream=stream, stage_rows=stage_rows, programs=programs)
+    return _finish(host_pools, kv_caches, staged, programs=programs)
 
 
-def _check_stream_args(stream, stage_rows):
-    for name, value in (("stream", stream), ("stage_rows", stage_rows)):
+def _check_stream_args(stream, stage_rows, copy_programs):
+    for name, value in (("stream", stream), ("stage_rows", stage_rows),
+                        ("copy_programs", copy_programs)):
         if value is not None:
             _checks.check_static_int(name, value, minimum=1)
 
@@ -176,6 +190,7 @@ def gather_compact_group_start(
     stream: int,
     backend: str | None = None,
     stage_rows: int | None = None,
+    copy_programs: int | None = None,
 ) -> StagedCopies:
     """The first half of `gather_compact_group(stream=stream)`, for use inside a jit: starts
     the copies of the plan's first `stage_rows` misses per row (K // 8 when None) on GPU
@@ -183,6 +198,8 @@ def gather_compact_group_start(
     `gather_compact_group_finish` lands them (and the misses past stage_rows) in the
     caches; the work traced between the two, when it does not read those caches, may run
     while the rows cross. kv_caches is only checked here (the caches the plan lands in).
+    copy_programs: as `gather_compact_group`'s (here: so that the work on the main stream
+    keeps the rest of the GPU).
 
     Raises: as `gather_compact_group`; stream is required.
     """
@@ -190,11 +207,11 @@ def gather_compact_group_start(
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
     _checks.check_static_int("stream", stream, minimum=1)  # required here
-    _check_stream_args(None, stage_rows)
+    _check_stream_args(None, stage_rows, copy_programs)
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
                                swap_src, swap_dst, swap_counts)
     return _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend, stream=stream,
-                  stage_rows=stage_rows)
+                  stage_rows=stage_rows, programs=copy_programs)
 
 
 def gather_compact_group_finish(
@@ -203,18 +220,22 @@ def gather_compact_group_finish(
     staged: StagedCopies,
     *,
     after: object = None,
+    copy_programs: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """The second half: lands `staged` (`gather_compact_group_start` of the same pools and
     plan) in kv_caches and copies the misses past its stage_rows from the pools; returns the
     updated caches (the same as `gather_compact_group`'s). after: arrays (any pytree) the
     landing waits for, so that the work computing them runs while the rows cross (XLA would
-    otherwise wait for the copies as soon as their results are free to land)."""
+    otherwise wait for the copies as soon as their results are free to land).
+    copy_programs: as `gather_compact_group`'s, for the misses past stage_rows (the landing
+    copies device memory with the kernel's full grid)."""
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
+    _check_stream_args(None, None, copy_programs)
     if not isinstance(staged, StagedCopies) or len(staged.staging) != len(host_pools):
         raise ValueError("staged must be the StagedCopies of gather_compact_group_start over "
                          f"the same {len(host_pools)} pool arrays")
-    return _finish(host_pools, kv_caches, staged, after)
+    return _finish(host_pools, kv_caches, staged, after, copy_programs)
 
 
 def gather_compact_group(
@@ -228,6 +249,7 @@ def gather_compact_group(
     fused: bool = True,
     stream: int | None = None,
     stage_rows: int | None = None,
+    copy_programs: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """`gather_compact` of one swap plan into every layer of an index group.
 
@@ -251,14 +273,20 @@ def gather_compact_group(
       stage_rows straight from the pools. (A call on another stream cannot update the caches
       in place: XLA would copy them whole.) Same result. The reference backend gathers on
       the host and runs in place. `fused` is ignored.
+    copy_programs: None (default): the kernel's grid has a program per chunk of up to 16
+      misses of every batch row's plan (K wide), most of which find nothing to copy. An int
+      P >= 1: at most P programs, each looping over its share of the chunks that hold a
+      miss (a copy from pinned host is bound by PCIe, not by the programs issuing it). The
+      same result; the reference ignores it.
 
     Raises:
-      TypeError / ValueError: stream or stage_rows is neither None nor an int >= 1.
+      TypeError / ValueError: stream, stage_rows or copy_programs is neither None nor an
+        int >= 1.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
-    _check_stream_args(stream, stage_rows)
+    _check_stream_args(stream, stage_rows, copy_programs)
     if not kv_caches:
         return ()
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
@@ -266,9 +294,9 @@ def gather_compact_group(
     if stream is not None and swap_src.size:
         return _gather_group_staged(
             host_pools, kv_caches, swap_src, swap_dst, swap_counts, backend=backend,
-            stream=stream, stage_rows=stage_rows)
+            stream=stream, stage_rows=stage_rows, programs=copy_programs)
     return _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
-                         backend=backend, fused=bool(fused))
+                         backend=backend, fused=bool(fused), programs=copy_programs)
 
 
 def _mirror_body(kv_cache, host_pool, device_rows, host_rows, *, backend):

@@ -399,11 +399,12 @@ def test_kernel_odd_width_and_many_programs():
 
 @settings(max_examples=examples(0.3), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), layers=st.sampled_from([1, 2]),
-       rows=st.sampled_from([2, 4, 8]))
-def test_kernel_sparse_plan_matches_numpy(seed, layers, rows):
+       rows=st.sampled_from([2, 4, 8]), programs=st.sampled_from([None, 1, 3, 7, 64]))
+def test_kernel_sparse_plan_matches_numpy(seed, layers, rows, programs):
     """A plan like a decode step's (rows with no misses, a full row, entries past the counts,
     sources past the pool and destinations outside the cache), on one layer and on two, at
-    several rows per program: the kernel copies what the plan says."""
+    several rows per program, with a program per chunk or a few looping programs (64: no
+    fewer than the chunks, the grid's way): the kernel copies what the plan says."""
     rng = np.random.default_rng(seed)
     n, k, block, width, num_blocks, host_rows = 5, 24, 2, 64, 80, 90
     pools = [rng.standard_normal((host_rows, width)).astype(np.float32) for _ in range(layers)]
@@ -415,7 +416,7 @@ def test_kernel_sparse_plan_matches_numpy(seed, layers, rows):
     got = tk.gather_compact_group(
         [to_host(p) for p in pools], [jnp.asarray(c) for c in caches], jnp.asarray(src),
         jnp.asarray(dst), jnp.asarray(counts), interpret=INTERPRET,
-        tuning=CopyTuning(rows_per_program=rows))
+        tuning=CopyTuning(rows_per_program=rows, max_programs=programs))
     for g, pool, cache in zip(got, pools, caches, strict=True):
         np.testing.assert_array_equal(np.asarray(g), oracle_gather(pool, cache, src, dst, counts))
 
@@ -438,6 +439,10 @@ def test_kernel_lowers_to_triton(pool_shape, cache_shape, dtype):
     lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p,), (c, c), s, d, n),
                    packed, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
     lower_for_cuda(tk.gather_compact, packed, cache, sds((8, 256)), sds((8, 256)), sds((8,)))
+    looping = CopyTuning(max_programs=16)     # a few programs, each looping over its chunks
+    lower_for_cuda(lambda p, c, s, d, n: tk.gather_compact_group((p, p), (c, c), s, d, n,
+                                                                 tuning=looping),
+                   pool, cache, sds((64, 2048)), sds((64, 2048)), sds((64,)))
 
 
 # --------------------------------------------------------------------------- GPU, real sizes

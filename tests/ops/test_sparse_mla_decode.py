@@ -44,7 +44,7 @@ from hisparse_jax.ops import _registry, sparse_mla_decode
 from pallas_kernels import kv_format as kvf
 from pallas_kernels.sparse_mla_decode import reference
 from pallas_kernels.sparse_mla_decode import triton as tk
-from tests.ops import backends, lower_for_cuda, np_dequantize_fp8, sds
+from tests.ops import INTERPRET, backends, lower_for_cuda, np_dequantize_fp8, rerun_isolated, sds
 
 BACKENDS = backends("sparse_mla_decode")
 # The inputs of the random test (width 128, v_width 64) are outside the Mosaic GPU kernel's
@@ -364,7 +364,9 @@ KERNEL_CASES = {
 @pytest.mark.parametrize("backend, n, h, top_k, cfg_kw", [
     pytest.param(p.values[0], *case, marks=p.marks, id=f"{p.values[0]}-{i}")
     for p in BACKENDS for i, case in enumerate(KERNEL_CASES.get(p.values[0], []))])
-def test_kernel_cases_match_float64(backend, n, h, top_k, cfg_kw):
+def test_kernel_cases_match_float64(backend, n, h, top_k, cfg_kw, request):
+    if backend == "mosaic_gpu" and INTERPRET and rerun_isolated(request):
+        return  # passed in a process of its own (the interpreter can deadlock: see there)
     q, kv, rows = make_inputs(20 + n if backend == "triton" else 10 + n, n, h, top_k, 300,
                               invalid_rows=(0,) if n > 1 else ())
     out, lse = sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, backend=backend,

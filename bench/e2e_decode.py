@@ -489,8 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                         "ahead, its copies from host on this GPU stream during the previous "
                         "group's layers (default: the main stream, in model order)")
     p.add_argument("--copy-programs", type=int, default=None,
-                   help="EngineConfig.copy_programs: at most this many GPU programs move the "
-                        "copies on --copy-stream (default: a program per chunk of misses)")
+                   help="EngineConfig.copy_programs: at most this many GPU programs move a "
+                        "step's copies from host (default: a program per chunk of misses)")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")

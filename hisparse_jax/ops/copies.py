@@ -146,7 +146,7 @@ def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stag
 def _finish(host_pools, kv_caches, staged, after=None, programs=None):
     # The landing reads device memory: the kernel's full grid. `programs` moves the misses
     # past the staged ones, from host.
-    gather = _group_kernel(staged.backend, None)
+    land, from_host = _group_kernel(staged.backend, None), _group_kernel(staged.backend, programs)
     src, dst, counts = staged.swap_src, staged.swap_dst, staged.swap_counts
     n, k = src.shape
     c = staged.stage_rows
@@ -156,11 +156,11 @@ def _finish(host_pools, kv_caches, staged, after=None, programs=None):
     m, stage_row = _staging_rows(n, k, c)
     staged_m = m < c
     # On this stream: staging -> caches (device to device), then the misses past c, if any.
-    kv_caches = tuple(gather(staging, kv_caches, jnp.where(staged_m & (src >= 0), stage_row, -1),
-                             dst, counts))
+    kv_caches = tuple(land(staging, kv_caches, jnp.where(staged_m & (src >= 0), stage_row, -1),
+                           dst, counts))
     if c < k:
-        kv_caches = tuple(_group_kernel(staged.backend, programs)(
-            host_pools, kv_caches, jnp.where(staged_m, -1, src), dst, counts))
+        kv_caches = tuple(from_host(host_pools, kv_caches, jnp.where(staged_m, -1, src), dst,
+                                    counts))
     return kv_caches
 
 

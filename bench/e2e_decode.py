@@ -122,6 +122,7 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         kv_format=kv_format, position_map=not getattr(args, "no_position_map", False),
         copy_stream=getattr(args, "copy_stream", None),
         copy_programs=getattr(args, "copy_programs", None),
+        copy_with_attention=getattr(args, "copy_with_attention", None),
         async_scheduling=getattr(args, "async_scheduling", False), **(extra or {}))
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
@@ -491,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-programs", type=int, default=None,
                    help="EngineConfig.copy_programs: at most this many GPU programs move a "
                         "step's copies from host (default: a program per chunk of misses)")
+    p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="EngineConfig.copy_with_attention: each index group after the first "
+                        "looked up ahead, its copies from host in the launch of the previous "
+                        "group's first attention (default: the library's, on unless "
+                        "--copy-stream)")
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
@@ -553,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
               "host_pool_layout": args.host_pool_layout,
               "position_map": not args.no_position_map, "copy_stream": args.copy_stream,
               "copy_programs": args.copy_programs,
+              "copy_with_attention": (args.copy_stream is None
+                                               if args.copy_with_attention is None
+                                               else args.copy_with_attention),
               "topk_source": ("the model's indexer over synthetic unit-normal index keys"
                               if args.indexer else f"trace {args.trace}" if args.trace
                               else "drift model"),

@@ -8,7 +8,7 @@
 #        a before/after comparison on the same machine), decode_fp8 / e2e_fp8 (the decode
 #        check and bf16 against fp8_ds_mla KV rows at 1, 64, 256 requests), or one op benchmark:
 #        resolve_residency gather_compact mirror_rows invalidate_written_rows sparse_mla_decode
-#        stage_prefill_rows (`ops` runs them all); spec_gpu (the GPU-scale speculative exactness test),
+#        stage_prefill_rows copies_beside_attention (`ops` runs them all); spec_gpu (the GPU-scale speculative exactness test),
 #        decode_spec (the decode check with 2 MTP draft tokens per step), speculative (the
 #        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9), profile
 #        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident),
@@ -24,7 +24,9 @@
 #        (the attention kernel's device time at N = 1-8 against its K split count), copy_stream
 #        (EngineConfig.copy_stream: its tests compiled, the async profile at 256 without and with),
 #        e2e_copy_stream (a HiSparse / all-resident pair at 1 and 256 with it), stream_overlap
-#        (bench/stream_overlap.py: the copy-stream call's schedule against its staging size)
+#        (bench/stream_overlap.py: the copy-stream call's schedule against its staging size),
+#        beside (EngineConfig.copy_with_attention: tests, the kernel benchmark, profiles at 256
+#        with and without, e2e pairs with it)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -95,7 +97,7 @@ run_step() {  # name, time limit in s, command...
           # main: copies on the main stream; main-pP: moved by at most P programs.
           if [ "${run%%-*}" = main ]; then
             progs=${run#main}; progs=${progs#-p}
-            run_step "profile_copy_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling ${progs:+--copy-programs $progs} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
+            run_step "profile_copy_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --no-copy-with-attention ${progs:+--copy-programs $progs} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
             continue
           fi
           # stream1: copies on stream 1; stream1-pP: and at most P programs moving them.
@@ -113,6 +115,24 @@ run_step() {  # name, time limit in s, command...
       stream_overlap) run_step stream_overlap 300 python3 -m bench.stream_overlap --n "${OVERLAP_N:-4,64,256,689}" --programs "${OVERLAP_PROGRAMS:-grid}" --dump "$OUT/stream_overlap_hlo" ;;
       # COPY_PROGRAMS: EngineConfig.copy_programs of the HiSparse runs (default: the grid).
       e2e_copy_stream) run_step e2e_copy_stream 240 python3 -m bench.e2e_decode --async-scheduling --copy-stream 1 ${COPY_PROGRAMS:+--copy-programs $COPY_PROGRAMS} --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-${COPY_TAG:-copy}-stream1${COPY_PROGRAMS:+-p$COPY_PROGRAMS}-gpu.json" ;;
+      # Copies from host in the launch of another index group's attention
+      # (EngineConfig.copy_with_attention): its tests compiled, the kernel benchmark, the async
+      # profile at 256 with and without it (BESIDE_PROFILES: beside, main; beside-pP: P copy
+      # programs), then E2E_BESIDE HiSparse / all-resident pairs at 1 and 256 with it (the
+      # default since session 19; main: --no-copy-with-attention).
+      beside)
+        tag=${BESIDE_TAG:-beside}
+        HISPARSE_EXAMPLES=${HISPARSE_EXAMPLES:-10} run_step beside_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_sparse_mla_decode_with_copies.py tests/test_cache.py tests/test_engine.py -k "with_copies or beside or gpu_at_the_engines"
+        run_step beside_kernel 150 python3 -m bench.ops.copies_beside_attention
+        for run in ${BESIDE_PROFILES:-beside main}; do
+          progs=${run#beside}; progs=${progs#-p}
+          flag=(--no-copy-with-attention)
+          [ "${run%%-*}" = beside ] && flag=(--copy-with-attention ${progs:+--copy-programs $progs})
+          run_step "profile_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling ${flag[@]+"${flag[@]}"} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
+        done
+        for i in $(seq 1 "${E2E_BESIDE:-1}"); do
+          run_step "e2e_beside_$i" 240 python3 -m bench.e2e_decode --async-scheduling --copy-with-attention --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-$tag-$i-gpu.json"
+        done ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.
@@ -204,7 +224,7 @@ run_step() {  # name, time limit in s, command...
       ' ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
-      resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows)
+      resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows|copies_beside_attention)
         run_step "$step" 250 python3 -m bench.ops."$step" ;;
       *) echo "unknown step $step" ;;
     esac

@@ -446,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
                         "stream, looked up ahead during group g's layers")
     p.add_argument("--copy-programs", type=int, default=None,
                    help="EngineConfig.copy_programs: at most this many GPU programs move them")
+    p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="EngineConfig.copy_with_attention: each index group after the first "
+                        "looked up ahead, its copies from host in the launch of the previous "
+                        "group's first attention (default: the library's, on unless "
+                        "--copy-stream)")
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=8)
@@ -520,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                        "async_scheduling": args.async_scheduling,
                        "position_map": not args.no_position_map,
                        "copy_stream": args.copy_stream,
-                       "copy_programs": args.copy_programs, **sizes},
+                       "copy_programs": args.copy_programs,
+                       "copy_with_attention": (args.copy_stream is None
+                                               if args.copy_with_attention is None
+                                               else args.copy_with_attention), **sizes},
             "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device, "isolated": isolated,

@@ -56,7 +56,10 @@ from hisparse_jax.ops import (
     gather_compact_group_finish,
     gather_compact_group_start,
     invalidate_written_rows,
+    registered_backends,
     resolve_residency,
+    sparse_mla_decode,
+    sparse_mla_decode_with_copies,
 )
 from hisparse_jax.state import HotState, empty_like, init_hot_state
 from pallas_kernels import kv_format as kvf
@@ -187,11 +190,15 @@ class PendingLookup:
       found: the `Lookup` (its rows are valid in the caches once landed).
       copies: the `StagedCopies` in flight, or None when nothing crosses on the copy stream
         (no copy stream, a residency that reads no host rows, or the per-row ablation).
+      plan: with `HiSparseKVCache.copy_with_attention`, the copies not yet run, as the swap
+        plan (swap_src, swap_dst, swap_counts): `HiSparseKVCache.attend` runs them beside
+        an attention, or `land` runs them; None once run (or with nothing to copy).
     """
 
     group: int = dataclasses.field(metadata=_STATIC)
     found: Lookup
     copies: StagedCopies | None = None
+    plan: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
     def precede(self, x):
         """`x` (any pytree of arrays), tied to this lookup's resolve: the work that reads the
@@ -309,6 +316,12 @@ class HiSparseKVCache:
       copy_programs: None (default), or an int P >= 1 (static): at most P GPU programs move
         a lookup's copies from host (`gather_compact_group`), each looping over its share,
         instead of a program per chunk of every row's plan. Same results.
+      copy_with_attention: False (default), or True (static; not with a copy_stream): a
+        `lookup_ahead` resolves but copies nothing; `attend` with its `PendingLookup` runs
+        the copies in the attention's own launch (`sparse_mla_decode_with_copies`, by
+        copy_programs programs, 32 when None) beside another layer's attention, so the PCIe
+        wait overlaps that attention inside one kernel. `land` runs copies still pending.
+        Same results.
     """
 
     caches: tuple[jax.Array, ...]
@@ -321,18 +334,20 @@ class HiSparseKVCache:
     kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
     copy_stream: int | None = dataclasses.field(default=None, metadata=_STATIC)
     copy_programs: int | None = dataclasses.field(default=None, metadata=_STATIC)
+    copy_with_attention: bool = dataclasses.field(default=False, metadata=_STATIC)
 
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
                index_group_size: int = 1, ops_backend: str | None = None,
-               copy_stream: int | None = None, copy_programs: int | None = None
-               ) -> HiSparseKVCache:
+               copy_stream: int | None = None, copy_programs: int | None = None,
+               copy_with_attention: bool = False) -> HiSparseKVCache:
         """Zero caches [cfg.num_gpu_blocks, B, cfg.storage_width] (cfg.storage_dtype) per
         layer and an empty hot state per index group; host_rows and kv_format from cfg (no
         host pool: host_rows 0).
 
         Raises:
-          ValueError: copy_stream or copy_programs is neither None nor an int >= 1.
+          ValueError: copy_stream or copy_programs is neither None nor an int >= 1, or
+            copy_with_attention is not a bool or is True with a copy_stream.
         """
         for name, value in (("copy_stream", copy_stream), ("copy_programs", copy_programs)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -340,6 +355,11 @@ class HiSparseKVCache:
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}"
                                  + (" (a GPU stream other than the main one)"
                                     if name == "copy_stream" else ""))
+        if not isinstance(copy_with_attention, bool):
+            raise ValueError(f"copy_with_attention must be a bool, got {copy_with_attention!r}")
+        if copy_with_attention and copy_stream is not None:
+            raise ValueError("copy_with_attention runs the copies in an attention's launch; it "
+                             f"takes no copy_stream (got copy_stream={copy_stream})")
         num_blocks = cfg.require("num_gpu_blocks")
         shape = (num_blocks, cfg.block_size, cfg.storage_width)
         return cls(
@@ -347,7 +367,8 @@ class HiSparseKVCache:
             hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
             residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
             host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format,
-            copy_stream=copy_stream, copy_programs=copy_programs)
+            copy_stream=copy_stream, copy_programs=copy_programs,
+            copy_with_attention=copy_with_attention)
 
     @property
     def num_layers(self) -> int:
@@ -397,9 +418,11 @@ class HiSparseKVCache:
         Trace the overlapped work between the two, and pass its inputs through
         `PendingLookup.precede` and its outputs as `land(after=...)`. That work must not
         read this group's caches. Without a copy stream the copies run at once, as in
-        `lookup` (off the GPU the stream is ignored); the results are the same either way."""
-        cache, found = self.residency.lookup(self, group, topk, batch,
-                                             ahead=self.copy_stream is not None)
+        `lookup` (off the GPU the stream is ignored), except with `copy_with_attention`,
+        which leaves them to `attend` or `land`; the results are the same either way."""
+        cache, found = self.residency.lookup(
+            self, group, topk, batch,
+            ahead=self.copy_stream is not None or self.copy_with_attention)
         if isinstance(found, PendingLookup):
             return cache, found
         return cache, PendingLookup(group, found)
@@ -408,16 +431,58 @@ class HiSparseKVCache:
              ) -> tuple[HiSparseKVCache, Lookup]:
         """Completes `lookup_ahead`'s `pending` (same batch): its staged rows and the misses
         past them land in the group's caches once `after` (any pytree of arrays, or None)
-        is computed. Returns the handle and the group's `Lookup`."""
-        if pending.copies is None:
-            return self, pending.found
+        is computed (copies still pending with `copy_with_attention` run now). Returns the
+        handle and the group's `Lookup`."""
         group = pending.group
         layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
+        if pending.plan is not None:
+            caches = list(self.caches)
+            caches[layers] = gather_compact_group(
+                batch.group_pools(group, self.index_group_size, self.num_layers),
+                caches[layers], *pending.plan, backend=self.ops_backend,
+                copy_programs=self.copy_programs)
+            return dataclasses.replace(self, caches=tuple(caches)), pending.found
+        if pending.copies is None:
+            return self, pending.found
         caches = list(self.caches)
         caches[layers] = gather_compact_group_finish(
             batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
             pending.copies, after=after, copy_programs=self.copy_programs)
         return dataclasses.replace(self, caches=tuple(caches)), pending.found
+
+    def attend(self, layer: int, q: jax.Array, attention_rows: jax.Array, batch: CacheBatch,
+               *, sm_scale: float, v_width: int = 512, backend: str | None = None,
+               pending: PendingLookup | None = None
+               ) -> tuple[HiSparseKVCache, jax.Array, jax.Array, PendingLookup | None]:
+        """`sparse_mla_decode` of q over layer `layer`'s cache at attention_rows (the handle's
+        kv_format; backend as the op's). With a `pending` lookup of another index group whose
+        copies have not run (`copy_with_attention`), they run in the same launch
+        (`sparse_mla_decode_with_copies`). Returns (handle, out, lse, pending with its copies
+        done: `land` it before that group attends)."""
+        kw = {"sm_scale": sm_scale, "v_width": v_width, "kv_format": self.kv_format,
+              "backend": backend}
+        if pending is not None and pending.plan is not None and backend is not None \
+                and backend not in registered_backends("sparse_mla_decode_with_copies"):
+            cache, _ = self.land(pending, batch)       # no combined kernel on that backend
+            return (cache, *sparse_mla_decode(q, cache.caches[layer], attention_rows, **kw),
+                    dataclasses.replace(pending, plan=None))
+        if pending is None or pending.plan is None:
+            return (self, *sparse_mla_decode(q, self.caches[layer], attention_rows, **kw),
+                    pending)
+        group = pending.group
+        layers = range(group * self.index_group_size, (group + 1) * self.index_group_size)
+        if layer in layers:
+            raise ValueError(f"layer {layer} attends while its own index group {group}'s "
+                             "copies are pending: land the lookup first")
+        out, lse, copied = sparse_mla_decode_with_copies(
+            q, self.caches[layer], attention_rows,
+            batch.group_pools(group, self.index_group_size, self.num_layers),
+            self.caches[layers.start:layers.stop], *pending.plan,
+            copy_programs=self.copy_programs or 32, **kw)
+        caches = list(self.caches)
+        caches[layers.start:layers.stop] = copied
+        return (dataclasses.replace(self, caches=tuple(caches)), out, lse,
+                dataclasses.replace(pending, plan=None))
 
     def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
                             batch: CacheBatch, *, ahead: bool = False
@@ -431,6 +496,10 @@ class HiSparseKVCache:
         pools = batch.group_pools(group, self.index_group_size, self.num_layers)
         found = Lookup(resolution.attention_rows, resolution.num_hits, resolution.swap_counts)
         plan = (resolution.swap_src, resolution.swap_dst, resolution.swap_counts)
+        if ahead and self.copy_with_attention:  # the copies wait for `attend` or `land`
+            cache = dataclasses.replace(self, hot=_replace(self.hot, group, hot))
+            return cache, PendingLookup(group, found,
+                                        plan=plan if resolution.swap_src.size else None)
         if ahead and resolution.swap_src.size:
             copies = gather_compact_group_start(pools, self.caches[layers], *plan,
                                                 stream=self.copy_stream,

@@ -315,9 +315,15 @@ class SparseMLA(nnx.Module):
         latent, _ = sparse_mla_decode(q, kv_rows, attention_rows, sm_scale=c.sm_scale,
                                       v_width=c.kv_lora_rank, kv_format=kv_format,
                                       backend=backend)
+        return self.output(latent), latent
+
+    def output(self, latent: jax.Array) -> jax.Array:
+        """The latent attention output [T, h, kv_lora] -> the layer's output [T, hidden]
+        (W_uv, then the output projection)."""
+        c = self.cfg
         o = jnp.einsum("thc,hcv->thv", latent.astype(jnp.float32),
                        self.w_uv[...].astype(jnp.float32)).astype(_dt(c.dtype))
-        return self.wo(o.reshape(o.shape[0], -1)), latent
+        return self.wo(o.reshape(o.shape[0], -1))
 
 
 class MLP(nnx.Module):
@@ -436,8 +442,10 @@ class Transformer(nnx.Module):
         lookup = None
         # With an external selection and a copy stream, group g + 1 is looked up ahead, before
         # group g attends: its copies from host cross on the copy stream during group g's
-        # layers and land in its caches once layer g + 1's projection is computed.
-        ahead = batch.topk is not None and kv.copy_stream is not None
+        # layers and land in its caches once layer g + 1's projection is computed. With
+        # copy_with_attention they run in the launch of group g's first attention instead.
+        ahead = batch.topk is not None and (kv.copy_stream is not None
+                                            or kv.copy_with_attention)
         pending = None
         if ahead:  # nothing runs before group 0 to overlap: its copies go on the main stream
             kv, found = kv.lookup(0, self._external_topk(batch, 0), kvb)
@@ -469,8 +477,15 @@ class Transformer(nnx.Module):
             if leader:
                 hits.append(jnp.sum(lookup.hits))
                 misses.append(jnp.sum(lookup.misses))
-            out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
-                                            backend=attention_backend, kv_format=kv.kv_format)
+            if pending is not None and pending.plan is not None:
+                kv, latent, _, pending = kv.attend(
+                    layer, q, lookup.attention_rows, kvb, sm_scale=c.sm_scale,
+                    v_width=c.kv_lora_rank, backend=attention_backend, pending=pending)
+                out = block.attn.output(latent)
+            else:
+                out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
+                                                backend=attention_backend,
+                                                kv_format=kv.kv_format)
             if collect_attention:
                 attn.append(latent)
             x = self._finish(x, block, out)

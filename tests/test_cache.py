@@ -243,12 +243,14 @@ def test_the_cache_is_donated_at_a_jit_boundary_and_the_host_pools_are_not():
     assert jax.tree.leaves(new.with_residency(AllResident()))[0] is jax.tree.leaves(new)[0]
 
 
-def _two_groups(residency, copy_stream, backend, copy_programs=None):
+def _two_groups(residency, copy_stream, backend, copy_programs=None,
+                copy_with_attention=False):
     """The setup's two layers as two index groups of one layer each, one pool per layer."""
     cache, batch, host, tables = _setup(residency)
     cache = dataclasses.replace(cache, index_group_size=1, hot=cache.hot * 2,
                                 copy_stream=copy_stream, ops_backend=backend,
-                                copy_programs=copy_programs)
+                                copy_programs=copy_programs,
+                                copy_with_attention=copy_with_attention)
     return cache, batch, host, tables
 
 
@@ -262,6 +264,21 @@ def _ahead_steps(cache, batch, topk, x):
         cache, f = cache.land(pending, batch, after=x)
         found.append(f)
     return cache, found, x
+
+
+def _assert_same_runs(runs, residency, host, tables):
+    """Every run (cache, the found lookups of groups 1, 0, 1, 0, then any more outputs)
+    equals the first; the last run's lookups are right against the host pools and tables."""
+    want_cache, *want = runs[0]
+    for got_cache, *got in runs[1:]:
+        chex.assert_trees_all_equal(got, want)
+        chex.assert_trees_all_equal(got_cache.caches, want_cache.caches)
+        chex.assert_trees_all_equal(got_cache.hot, want_cache.hot)
+    found = got[0]
+    if residency.reads_host:
+        _check_lookup(got_cache, found[2], _topk(), host, tables, layers=[1])
+        _check_lookup(got_cache, found[3], _topk()[::-1], host, tables, layers=[0])
+        assert int(sum(f.misses.sum() for f in found)) > 0
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -292,15 +309,48 @@ def test_lookups_made_ahead_on_a_copy_stream_equal_lookups_in_model_order(reside
                  if "call @compute_on" in line and '_xla_stream_annotation = "1"' in line]
         assert bool(calls) == bool(steps is _ahead_steps and stream and residency.reads_host
                                    and backend == "triton")
-    want_cache, want = runs[0]
-    for got_cache, got in runs[1:]:
-        chex.assert_trees_all_equal(got, want)
-        chex.assert_trees_all_equal(got_cache.caches, want_cache.caches)
-        chex.assert_trees_all_equal(got_cache.hot, want_cache.hot)
-    if residency.reads_host:
-        _check_lookup(got_cache, got[2], _topk(), host, tables, layers=[1])
-        _check_lookup(got_cache, got[3], _topk()[::-1], host, tables, layers=[0])
-        assert int(sum(f.misses.sum() for f in got)) > 0
+    _assert_same_runs(runs, residency, host, tables)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("residency", RESIDENCIES, ids=lambda r: r.name)
+def test_copies_run_beside_an_attention_equal_lookups_in_model_order(residency, backend):
+    # copy_with_attention: lookup_ahead resolves and copies nothing; the copies run in the
+    # call of the other group's attention (`attend(pending=...)`), or in `land` when no
+    # attention took them. Each way the caches, hot states and found rows equal `lookup`'s in
+    # model order, and the attention outputs equal a plain attention's. The float32 caches of
+    # this setup run the reference attention; the kernel of the joint call has its own tests.
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((3, 2, W)), jnp.float32)
+
+    def steps(cache, batch, topk, beside):
+        found, outs = [], []
+        for group in (1, 0, 1, 0):
+            cache, pending = cache.lookup_ahead(group, topk if group else topk[::-1], batch)
+            if cache.copy_with_attention and residency.reads_host:
+                assert pending.plan is not None and pending.copies is None
+            other = 1 - group
+            rows = found[-1].attention_rows if found else jnp.full((3, 8), -1, jnp.int32)
+            cache, out, _, left = cache.attend(other, q, rows, batch, sm_scale=0.5,
+                                               v_width=W, backend="reference",
+                                               pending=pending if beside else None)
+            assert left is None if not beside else left.plan is None
+            cache, f = cache.land(pending if not beside else left, batch)
+            found.append(f)
+            outs.append(out)
+        return cache, found, outs
+
+    runs = []
+    for with_attention, beside in ((False, False), (True, False), (True, True)):
+        cache, batch, host, tables = _two_groups(residency, None, backend,
+                                                 copy_with_attention=with_attention)
+        runs.append(jax.jit(steps, static_argnums=3)(cache, batch, _topk(), beside))
+    _assert_same_runs(runs, residency, host, tables)  # attention outputs included
+    cache, batch, _, _ = _two_groups(residency, None, backend, copy_with_attention=True)
+    cache, pending = cache.lookup_ahead(0, _topk(), batch)
+    if pending.plan is not None:
+        with pytest.raises(ValueError, match="its own index group 0's copies are pending"):
+            cache.attend(0, q, jnp.full((3, 8), -1, jnp.int32), batch, sm_scale=0.5,
+                         v_width=W, pending=pending)
 
 
 @pytest.mark.gpu
@@ -348,6 +398,13 @@ def test_create_follows_the_config():
                                    copy_programs=bad)
     assert HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
                                   copy_programs=4).copy_programs == 4
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="copy_with_attention must be a bool"):
+            HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(),
+                                   copy_with_attention=bad)
+    with pytest.raises(ValueError, match="copy_with_attention .* takes no copy_stream"):
+        HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
+                               copy_with_attention=True)
     with pytest.raises(ValueError, match="num_gpu_blocks is unknown"):
         HiSparseKVCache.create(no_sizes, num_layers=1, residency=AllResident())
     with pytest.raises(ValueError, match="max_model_len is unknown"):

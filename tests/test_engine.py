@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from hisparse_jax import cache as cache_module
 from hisparse_jax import nn
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
@@ -161,7 +162,7 @@ def test_lookups_on_a_copy_stream_decode_what_the_main_stream_decodes(mode):
     # depend on when the transfer worker's spills complete.)
     drift = DriftTopK(turnover=0.25, seed=3)
     runs = [_run_external(drift, num_gpu_blocks=44, copy_stream=stream, ops_backend="triton",
-                          copy_programs=programs, **mode)
+                          copy_programs=programs, copy_with_attention=False, **mode)
             for stream, programs in ((None, None), (1, None), (1, 3), (None, 2))]
     (main, want), (side, got), (few, got_few), (few_main, got_few_main) = runs
     for other in (got, got_few, got_few_main):
@@ -171,6 +172,34 @@ def test_lookups_on_a_copy_stream_decode_what_the_main_stream_decodes(mode):
         assert engine.summary()["rows_moved_h2d"] > 0 and engine.metrics.hot_misses > 0
     assert side.runner.cache.kv.copy_stream == 1 and main.runner.cache.kv.copy_stream is None
     for engine, _ in runs:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(naive_offload=True)], ids=["hisparse", "naive"])
+def test_copies_beside_an_attention_decode_what_lookups_in_model_order_decode(mode,
+                                                                             monkeypatch):
+    # `copy_with_attention` looks group 1 up ahead and runs its copies in the launch of
+    # group 0's attention (the Triton kernel in interpret mode here; by 2 programs, then the
+    # default 32): the same tokens as lookups in model order with the same kernels.
+    traced = []
+
+    def spy(*args, **kw):
+        traced.append((kw["backend"], kw["copy_programs"]))
+        return joint(*args, **kw)
+
+    joint = cache_module.sparse_mla_decode_with_copies
+    monkeypatch.setattr(cache_module, "sparse_mla_decode_with_copies", spy)
+    drift = DriftTopK(turnover=0.25, seed=3)
+    kw = dict(num_gpu_blocks=44, ops_backend="triton", attention_backend="triton", **mode)
+    runs = [_run_external(drift, copy_with_attention=beside, copy_programs=programs, **kw)
+            for beside, programs in ((False, None), (True, 2), (True, None))]
+    (_, want), (two, got_two), (beside, got) = runs
+    for other in (got_two, got):
+        assert [r.generated for r in other] == [r.generated for r in want]
+    assert beside.runner.cache.kv.copy_with_attention and two.runner.cache.kv.copy_programs == 2
+    assert {("triton", 2), ("triton", 32)} <= set(traced), traced  # the decode steps used it
+    for engine, _ in runs:
+        assert engine.summary()["rows_moved_h2d"] > 0 and engine.metrics.hot_misses > 0
         engine.close()
 
 
@@ -212,6 +241,14 @@ def test_engine_config_validation():
             EngineConfig(copy_stream=bad)
         with pytest.raises(ValueError, match="EngineConfig.copy_programs must be a positive"):
             EngineConfig(copy_stream=1, copy_programs=bad)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="EngineConfig.copy_with_attention must be a bool"):
+            EngineConfig(copy_with_attention=bad)
+    with pytest.raises(ValueError, match="copy_with_attention and copy_stream exclude"):
+        EngineConfig(copy_stream=1, copy_with_attention=True)
+    # The default: copies beside an attention, unless the copies go on a stream.
+    assert EngineConfig().copy_with_attention is True
+    assert EngineConfig(copy_stream=1).copy_with_attention is False
 
 
 def test_fast_path_stop_tokens_and_temperature(all_resident):

@@ -9,6 +9,8 @@
                               device_put of the host rows and the reference; L=8 in one launch
   invalidate_written_rows.py  tuning sweep (INVALIDATE_VARIANTS), kernel vs jnp
   sparse_mla_decode.py        attention candidates (ATTENTION_VARIANTS, ...) vs the reference
+  copies_beside_attention.py  another layer's copies in the attention's launch vs the copy
+                              kernel then the attention kernel, at 256 requests
 
 Run one: `PYTHONPATH=. python3 -m bench.ops.<op>`; all within a time budget:
 `PYTHONPATH=. python3 -m bench.ops [--budget S] [op ...]`. Each writes
@@ -127,19 +129,21 @@ def chain_us(chained, args, chain: int) -> dict[str, float]:
             "one_step_wall_us": t1["median_us"], "chain": chain}
 
 
-def unrolled_us(step, state, steps: int) -> float:
+def unrolled_us(step, state, steps: int, consts: Any = None) -> float:
     """Device us per step of `steps` dependent calls of `step(state, i)` unrolled in one jit
-    (straight-line launches, no XLA while loop), minus one call."""
+    (straight-line launches, no XLA while loop), minus one call. With `consts` (a pytree of
+    arrays), the calls are `step(state, i, consts)` and consts is an argument of the jit, not
+    a constant captured into it (pass large inputs, such as a host pool, that way)."""
     def make(m):
         @jax.jit
-        def run(st):
+        def run(st, c):
             for i in range(m):
-                st = step(st, i)
+                st = step(st, i) if consts is None else step(st, i, c)
             return st
         return run
     one, many = make(1), make(steps)
-    t1 = time_fn(lambda: one(state), iters=20)
-    tn = time_fn(lambda: many(state), iters=20)
+    t1 = time_fn(lambda: one(state, consts), iters=20)
+    tn = time_fn(lambda: many(state, consts), iters=20)
     return (tn["median_us"] - t1["median_us"]) / (steps - 1)
 
 

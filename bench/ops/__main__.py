@@ -25,6 +25,7 @@ LIMITS = {
     "mirror_rows": 90,
     "stage_prefill_rows": 120,    # one layer at 3 sizes, and L = 8 at 16384 rows
     "sparse_mla_decode": 240,      # bf16 and fp8_ds_mla rows
+    "copies_beside_attention": 120,  # 16 GiB of pinned pools
 }
 
 

@@ -163,6 +163,15 @@ class EngineConfig:
       copy_programs: None (default), or an int P >= 1: at most P GPU programs move a
         decode step's copies from host, each looping over its share, instead of a program
         per chunk of every row's plan (`HiSparseKVCache.copy_programs`). Same tokens.
+      copy_with_attention: None (default: True unless a copy_stream is set), True (not with
+        copy_stream) or False: with a topk_source each index group after the first is looked
+        up ahead, and its copies from host run in the launch of the previous group's first
+        attention, by copy_programs programs (32 when None) beside the attention's
+        (`HiSparseKVCache.attend`, `sparse_mla_decode_with_copies`): the copies overlap that
+        attention inside one kernel (on the H200 at 256 requests: 1.15x HiSparse decode
+        tokens/s, `docs/host_pool.md`). Same tokens. The model's own indexer needs group g's
+        output to select group g + 1's rows, so without a topk_source nothing changes.
+        False: every group's copies run at its own lookup, in model order.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -198,6 +207,7 @@ class EngineConfig:
     position_map: bool = True
     copy_stream: int | None = None
     copy_programs: int | None = None
+    copy_with_attention: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -234,6 +244,15 @@ class EngineConfig:
                              f"{self.kv_format!r}")
         if self.all_resident and self.naive_offload:
             raise ValueError("EngineConfig: all_resident and naive_offload exclude each other")
+        if self.copy_with_attention is None:
+            object.__setattr__(self, "copy_with_attention", self.copy_stream is None)
+        elif not isinstance(self.copy_with_attention, (bool, np.bool_)):
+            raise ValueError("EngineConfig.copy_with_attention must be a bool or None, got "
+                             f"{self.copy_with_attention!r}")
+        object.__setattr__(self, "copy_with_attention", bool(self.copy_with_attention))
+        if self.copy_with_attention and self.copy_stream is not None:
+            raise ValueError("EngineConfig: copy_with_attention and copy_stream exclude each "
+                             "other (the copies run in an attention's launch, or on a stream)")
         if self.topk_source is not None and not isinstance(self.topk_source, TopKSource):
             raise ValueError("EngineConfig.topk_source must be a hisparse_jax.topk_sources."
                              f"TopKSource or None, got {type(self.topk_source).__name__}")

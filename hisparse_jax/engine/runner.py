@@ -309,7 +309,8 @@ class Runner:
         kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=self.residency,
                                     index_group_size=mc.index_group_size,
                                     ops_backend=ec.ops_backend, copy_stream=ec.copy_stream,
-                                    copy_programs=ec.copy_programs)
+                                    copy_programs=ec.copy_programs,
+                                    copy_with_attention=ec.copy_with_attention)
         self.cache = self._put(DecodeCache(
             kv=kv, index_keys=tuple(jnp.zeros(key_shape, cfg.kv_dtype)
                                     for _ in range(mc.num_groups))))

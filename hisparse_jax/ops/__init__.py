@@ -12,6 +12,8 @@
   stage_prefill_rows, StagedRows   a prefill chunk's selected rows -> per-layer staging
                                    buffers, resident copy first, else host (`staging.py`)
   sparse_mla_decode                attention over the selected flat rows (`attention.py`)
+  sparse_mla_decode_with_copies    the same, and in the same launch another index group's
+                                   copies from host (`gather_compact_group`) beside it
 
 Every op validates its arguments before any work (ValueError / TypeError naming the argument
 and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
@@ -23,7 +25,7 @@ dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes `kv_format=`.
 """
 
 from hisparse_jax.ops._registry import BACKENDS, registered_backends
-from hisparse_jax.ops.attention import sparse_mla_decode
+from hisparse_jax.ops.attention import sparse_mla_decode, sparse_mla_decode_with_copies
 from hisparse_jax.ops.copies import (
     StagedCopies,
     gather_compact,
@@ -55,5 +57,6 @@ __all__ = [
     "resolve_residency",
     "restore_rows",
     "sparse_mla_decode",
+    "sparse_mla_decode_with_copies",
     "stage_prefill_rows",
 ]

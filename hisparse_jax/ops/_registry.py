@@ -42,6 +42,7 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mirror_rows": ("mirror_rows", ("reference", "triton")),
     "stage_prefill_rows": ("stage_prefill_rows", ("reference", "triton")),
     "sparse_mla_decode": ("sparse_mla_decode", ("reference", "triton", "mosaic_gpu")),
+    "sparse_mla_decode_with_copies": ("sparse_mla_decode", ("reference", "triton")),
 }
 
 # What `backend=None` tries on a GPU, in order ("reference" always runs). The Mosaic GPU
@@ -56,6 +57,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "mirror_rows": ("triton", "reference"),
     "stage_prefill_rows": ("triton", "reference"),
     "sparse_mla_decode": ("triton", "reference"),
+    "sparse_mla_decode_with_copies": ("triton", "reference"),
 }
 
 

@@ -21,6 +21,7 @@ float32 scales, bf16 rope) on "reference" and "triton", not "mosaic_gpu".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -75,18 +76,70 @@ def sparse_mla_decode(
       ever means "no valid entry").
     """
     _checks.validate_attention(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
-    sm_scale = float(sm_scale)
-    v_width = int(v_width)
+    flat, kw, unflatten = _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
+    backend = _registry.select("sparse_mla_decode", backend, *flat, **kw)
+    attend = _registry.implementation("sparse_mla_decode", backend)
+    if backend != "reference":
+        kw["tuning"] = config
+    return unflatten(*attend(*flat, **kw))
+
+
+def _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format):
+    """The kernels' operands of validated attention inputs: ((q [T, h_q, D], kv rows [R, Ws],
+    rows [T, K]), the static keywords, and a function that gives (out, lse) of those
+    operands the leading dims of q ([N] or [N, s_q]))."""
     lead = tuple(q.shape[:-2])
     h_q, width = q.shape[-2:]
-    q_rows = q.reshape(-1, h_q, width)
-    rows = attention_rows.reshape(-1, attention_rows.shape[-1])
-    kv_rows = kv_cache.reshape(-1, kv_cache.shape[-1])
-    kw = {"sm_scale": sm_scale, "v_width": v_width, "kv_format": kv_format}
-    backend = _registry.select("sparse_mla_decode", backend, q_rows, kv_rows, rows, **kw)
-    attend = _registry.implementation("sparse_mla_decode", backend)
-    if backend == "reference":
-        out, lse = attend(q_rows, kv_rows, rows, **kw)
-    else:
-        out, lse = attend(q_rows, kv_rows, rows, tuning=config, **kw)
-    return out.reshape(*lead, h_q, v_width), lse.reshape(*lead, h_q)
+    flat = (q.reshape(-1, h_q, width), kv_cache.reshape(-1, kv_cache.shape[-1]),
+            attention_rows.reshape(-1, attention_rows.shape[-1]))
+    kw = {"sm_scale": float(sm_scale), "v_width": int(v_width), "kv_format": kv_format}
+
+    def unflatten(out, lse):
+        return out.reshape(*lead, h_q, int(v_width)), lse.reshape(*lead, h_q)
+
+    return flat, kw, unflatten
+
+
+def sparse_mla_decode_with_copies(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    attention_rows: jax.Array,
+    host_pools: Sequence[jax.Array],
+    kv_caches: Sequence[jax.Array],
+    swap_src: jax.Array,
+    swap_dst: jax.Array,
+    swap_counts: jax.Array,
+    *,
+    sm_scale: float,
+    v_width: int = 512,
+    kv_format: str = "bf16",
+    copy_programs: int = 32,
+    backend: str | None = None,
+    config: Any = None,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """`sparse_mla_decode(q, kv_cache, attention_rows)` together with another index group's
+    copies from host, `gather_compact_group(host_pools, kv_caches, swap_src, swap_dst,
+    swap_counts)`: the "triton" backend runs both in ONE launch, `copy_programs` programs
+    moving the rows (bound by PCIe) beside the attention's programs (bound by HBM and the
+    tensor cores), so the two overlap on the GPU whatever XLA does with separate kernels; the
+    "reference" runs the copy, then the attention. Same results as the two ops.
+
+    kv_caches are other layers' caches (they must not hold kv_cache's buffer: the copies
+    would race with the attention's reads); donate them at the jit boundary (updated in
+    place). Arguments as in the two ops; copy_programs: a static int >= 1.
+
+    Returns:
+      (out, lse, the updated kv_caches as a tuple).
+    """
+    _checks.validate_attention(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
+    host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
+    _checks.validate_group(host_pools, kv_caches)
+    _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
+    copy_programs = _checks.check_static_int("copy_programs", copy_programs, minimum=1)
+    flat, kw, unflatten = _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
+    backend = _registry.select("sparse_mla_decode_with_copies", backend, *flat, **kw)
+    run = _registry.implementation("sparse_mla_decode_with_copies", backend)
+    if backend != "reference":
+        kw.update(tuning=config, copy_programs=copy_programs)
+    out, lse, caches = run(*flat, host_pools, kv_caches, swap_src, swap_dst, swap_counts, **kw)
+    return (*unflatten(out, lse), tuple(caches))

@@ -34,7 +34,8 @@ def supports(*args: Any, **kwargs: Any) -> str | None:
 
 
 def _gather_kernel(src_ref, dst_ref, count_ref, *refs, arrays, pack, src_pack, k, rows,
-                   pieces, host_rows, cache_rows, pool_block, cache_block, batch, programs):
+                   pieces, host_rows, cache_rows, pool_block, cache_block, batch, programs,
+                   pid=None):
     """`rows` consecutive misses of batch row n, for every layer of one pool array: a packed
     array's `pack` layers are read together, the same pool rows one after the other. Layer i
     reads W-wide row `src * pack + i % pack` of its array a, whose rows hold `src_pack[a]`
@@ -43,7 +44,9 @@ def _gather_kernel(src_ref, dst_ref, count_ref, *refs, arrays, pack, src_pack, k
     programs None: one program per (array, n, chunk), the grid's axes. An int P: P programs,
     each looping over the chunks c = pid, pid + P, ... of the live ones (the first operand
     after the counts holds the chunks per batch row that any row needs), ordered
-    (array, chunk, n) so that every program gets a share of every chunk column."""
+    (array, chunk, n) so that every program gets a share of every chunk column; `pid` (in
+    [0, P)) replaces the program id when another kernel runs these P programs as part of
+    its grid."""
     if programs is not None:
         live_ref, refs = refs[0], refs[1:]
     layers = arrays * pack
@@ -83,7 +86,8 @@ def _gather_kernel(src_ref, dst_ref, count_ref, *refs, arrays, pack, src_pack, k
             chunk(0, pl.program_id(0), pl.program_id(1))
         return
     per_array = live_ref[0] * batch
-    pid = pl.program_id(0)
+    if pid is None:
+        pid = pl.program_id(0)
 
     def step(i, carry):
         c = pid + i * programs
@@ -112,10 +116,28 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
     max_programs: when given, replaces `tuning.max_programs`.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
+    n, k = swap_src.shape
+    if not kv_caches or n * k == 0 or any(c.size == 0 for c in kv_caches):
+        return kv_caches
+    programs = tuning.max_programs if max_programs is None else max_programs
+    kernel, inputs, grid = copy_launch(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
+                                       interpret=interpret, tuning=tuning, programs=programs)
+    return _triton.call_in_place(kernel, inputs, kv_caches, grid=grid,
+                                 num_warps=tuning.num_warps, interpret=interpret,
+                                 name="hisparse_gather_compact")
+
+
+def copy_launch(host_pools: tuple[jax.Array, ...], kv_caches: tuple[jax.Array, ...],
+                swap_src: jax.Array, swap_dst: jax.Array, swap_counts: jax.Array, *,
+                interpret: bool, tuning: CopyTuning, programs: int | None,
+                fixed_programs: bool = False):
+    """The copy's (kernel, inputs, grid) for non-empty operands: `kernel(*input_refs,
+    *cache_in_refs, *cache_out_refs)` with the caches aliased in place. programs: None (the
+    grid covers the plan) or P (at most P looping programs; None again when P is no fewer
+    than the grid's). fixed_programs=True keeps P looping programs even then, for a launch
+    that runs them beside other work (it passes each its `pid=`)."""
     layers, arrays = len(kv_caches), len(host_pools)
     n, k = swap_src.shape
-    if layers == 0 or n * k == 0 or any(c.size == 0 for c in kv_caches):
-        return kv_caches
     pack = layers // arrays
     rows = _triton.rows_per_program(n * k * layers, tuning)
     widths = [c.shape[-1] for c in kv_caches]
@@ -126,8 +148,7 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
     if interpret:
         host_pools = tuple(_compat.interpret_operand(p) for p in host_pools)
     chunks = pl.cdiv(k, rows)
-    programs = tuning.max_programs if max_programs is None else max_programs
-    if programs is not None and programs >= arrays * n * chunks:
+    if not fixed_programs and programs is not None and programs >= arrays * n * chunks:
         programs = None  # no fewer than the grid's
     inputs = [swap_src.reshape(-1), swap_dst.reshape(-1), swap_counts]
     if programs is not None:  # the chunks per batch row that any row's misses reach
@@ -145,10 +166,7 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
         grid = (programs,)
     else:
         grid = (n, chunks) if arrays == 1 else (arrays, n, chunks)
-    return _triton.call_in_place(
-        kernel, (*inputs, *host_pools),
-        kv_caches, grid=grid, num_warps=tuning.num_warps, interpret=interpret,
-        name="hisparse_gather_compact")
+    return kernel, (*inputs, *host_pools), grid
 
 
 def gather_compact(host_pool: jax.Array, kv_cache: jax.Array, swap_src: jax.Array,

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_format as kvf
+from pallas_kernels.gather_compact import reference as gather_reference
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -119,3 +120,17 @@ def merge_splits(out: jax.Array, lse2: jax.Array, h_q: int, dtype
     if out.shape[1] == 1:
         return out[:, 0], lse2[:, 0] * LN2
     return combine_splits(out, lse2, dtype)
+
+
+def sparse_mla_decode_with_copies(q, kv_cache_rows, attention_rows, host_pools, kv_caches,
+                                  swap_src, swap_dst, swap_counts, *, sm_scale: float,
+                                  v_width: int = 512, kv_format: str = kvf.BF16):
+    """`gather_compact_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts)` (other
+    layers' copies) and `sparse_mla_decode(q, kv_cache_rows, attention_rows)`: independent
+    (kv_caches never include kv_cache_rows' buffer), here one after the other. Returns
+    (out, lse, the updated kv_caches)."""
+    caches = gather_reference.gather_compact_group(host_pools, kv_caches, swap_src, swap_dst,
+                                                   swap_counts)
+    out, lse = sparse_mla_decode(q, kv_cache_rows, attention_rows, sm_scale=sm_scale,
+                                 v_width=v_width, kv_format=kv_format)
+    return out, lse, caches

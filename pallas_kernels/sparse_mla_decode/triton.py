@@ -48,6 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _compat, _triton
 from pallas_kernels import kv_format as kvf
+from pallas_kernels.gather_compact import triton as gather_triton
 from pallas_kernels.sparse_mla_decode import combine
 from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
 
@@ -196,7 +197,9 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
 
 # ----------------------------------------------------------------- reading one K tile of rows
 #
-# A reader loads the selected rows of one K step and returns (keys, key_scales, values):
+# A reader gets `load(cols)`, which returns columns `cols` [1, w] of the selected rows of one
+# K step as a [block_k, w] tile (`_masked_load` with the step's rows bound), and returns
+# (keys, key_scales, values):
 #   keys[j]        [block_k, size_j] tile in q's dtype, contracted with q's piece j
 #                  (`_q_pieces`: the same column pieces, in order);
 #   key_scales[j]  float32 [block_k] per-row factor of that piece's scores, or None;
@@ -219,9 +222,9 @@ def _cols(start: int, size: int):
     return (start + jnp.arange(size, dtype=jnp.int32))[None, :]
 
 
-def _read_float_rows(kv_ref, safe, valid, *, pieces):
+def _read_float_rows(load, *, pieces):
     """"bf16" rows: the row's power-of-two pieces as they are; the value is piece 0."""
-    keys = [_masked_load(kv_ref, safe, valid, _cols(start, size)) for start, size in pieces]
+    keys = [load(_cols(start, size)) for start, size in pieces]
     return keys, [None] * len(keys), [(keys[0], None)]
 
 
@@ -231,7 +234,7 @@ def _halves(x):
     return lax.unstack(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1)
 
 
-def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype, how: str):
+def _load_words(load, start: int, count: int, nbytes: int, dtype, how: str):
     """unsigned `dtype` [block_k, count]: the little-endian words of `nbytes` bytes each at
     bytes [start, start + count * nbytes) of the selected rows (zeros where masked).
 
@@ -244,7 +247,7 @@ def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype,
     to their float type (the Triton lowering bitcasts only between equal widths).
     """
     if how == "split":
-        tile = _masked_load(kv_ref, safe, valid, _cols(start, count * nbytes))
+        tile = load(_cols(start, count * nbytes))
         # parts[j] holds the bytes at positions = j (mod len(parts)) of each word: halving
         # every part doubles the modulus, ending at parts[b] = byte b of every word.
         parts = [tile]
@@ -257,14 +260,14 @@ def _load_words(kv_ref, safe, valid, start: int, count: int, nbytes: int, dtype,
             word = shifted if word is None else word | shifted
         return word
     if how == "contiguous":
-        tile = _masked_load(kv_ref, safe, valid, _cols(start, count * nbytes))
+        tile = load(_cols(start, count * nbytes))
         parts = tile.reshape(tile.shape[0], count, nbytes).astype(dtype)
         shifts = (8 * jnp.arange(nbytes, dtype=jnp.int32)).astype(dtype)[None, None, :]
         return jnp.sum(parts << shifts, axis=2, dtype=dtype)
     word = None
     for b in range(nbytes):
         cols = (start + b + nbytes * jnp.arange(count, dtype=jnp.int32))[None, :]
-        part = _masked_load(kv_ref, safe, valid, cols).astype(dtype) << dtype(8 * b)
+        part = load(cols).astype(dtype) << dtype(8 * b)
         word = part if word is None else word | part
     return word
 
@@ -281,7 +284,7 @@ def _scale_columns(scale_tile, how: str):
             for g in range(kvf.NUM_GROUPS)]
 
 
-def _read_fp8_rows(kv_ref, safe, valid, *, value_groups, words, scale):
+def _read_fp8_rows(load, *, value_groups, words, scale):
     """"fp8_ds_mla" rows (uint8[656], `pallas_kernels/kv_format.py`), decoded in registers:
 
     * latent: bytes [0, 512), bitcast to float8_e4m3fn;
@@ -300,20 +303,20 @@ def _read_fp8_rows(kv_ref, safe, valid, *, value_groups, words, scale):
       `_fp8_scale_mode` picks "tiles" for narrower values).
     """
     scale_tile = lax.bitcast_convert_type(
-        _load_words(kv_ref, safe, valid, kvf.SCALE_OFFSET, kvf.NUM_GROUPS, 4, jnp.uint32,
+        _load_words(load, kvf.SCALE_OFFSET, kvf.NUM_GROUPS, 4, jnp.uint32,
                     words), jnp.float32)                                 # [block_k, 4]
     rope = lax.bitcast_convert_type(
-        _load_words(kv_ref, safe, valid, kvf.ROPE_OFFSET, kvf.ROPE_DIM, 2, jnp.uint16, words),
+        _load_words(load, kvf.ROPE_OFFSET, kvf.ROPE_DIM, 2, jnp.uint16, words),
         jnp.bfloat16)                                                    # [block_k, 64]
     if scale == "tile512":
         fp8 = lax.bitcast_convert_type(
-            _masked_load(kv_ref, safe, valid, _cols(0, kvf.LATENT_DIM)), jnp.float8_e4m3fn)
+            load(_cols(0, kvf.LATENT_DIM)), jnp.float8_e4m3fn)
         bk = fp8.shape[0]
         latent = (fp8.astype(jnp.float32).reshape(bk, kvf.NUM_GROUPS, kvf.GROUP)
                   * scale_tile[:, :, None]).reshape(bk, kvf.LATENT_DIM).astype(jnp.bfloat16)
         return [latent, rope], [None, None], [(latent, None)]
     fp8 = [lax.bitcast_convert_type(
-        _masked_load(kv_ref, safe, valid, _cols(g * kvf.GROUP, kvf.GROUP)),
+        load(_cols(g * kvf.GROUP, kvf.GROUP)),
         jnp.float8_e4m3fn) for g in range(kvf.NUM_GROUPS)]
     scales = _scale_columns(scale_tile, words)
     if scale == "tiles":
@@ -345,26 +348,32 @@ def _value_pieces(v_width: int, kv_format: str,
     return ((0, v_width),)
 
 
-def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, block_k, steps,
-                      q_pieces, v_pieces, read, scale2, prefetch_ids, prefetch_tiles=False):
+def _attention_kernel(q_ref, kv_ref, rows_ref, *refs, block_h, block_k, steps,
+                      q_pieces, v_pieces, read, scale2, prefetch_ids, prefetch_tiles=False,
+                      ids=None):
     """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, row]
     (row = D values, or 656 bytes), rows_ref [T, Kp] (Kp = splits * steps * block_k, -1
     padded); `read` is `_read_float_rows` or `_read_fp8_rows` with its knobs bound, q_pieces
     the (start, size) q columns of its key tiles, v_pieces the (column, size) output columns
     of its value tiles. Writes out_ref [T, S, Hp, v] (normalised within the split) and
-    lse_ref [T, S, Hp] (base 2)."""
-    hb, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lse_ref [T, S, Hp] (base 2). ids: (hb, s, t) when another kernel runs these programs as
+    part of its grid (`_with_copies_kernel`)."""
+    out_ref, lse_ref = refs
+    if ids is None:
+        ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hb, s, t = ids
     heads = (hb * block_h + jnp.arange(block_h, dtype=jnp.int32))[:, None]
     qs = [plgpu.load(q_ref.at[t, heads, _cols(start, size)]) for start, size in q_pieces]
     dims = (((1,), (1,)), ((), ()))          # contract the column dims: q k^T
 
     def load_ids(i):
-        k0 = (s * steps + i) * block_k
-        return plgpu.load(rows_ref.at[t, k0 + jnp.arange(block_k, dtype=jnp.int32)])
+        k = (s * steps + i) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        return plgpu.load(rows_ref.at[t, k])
 
     def gather(ids):
         valid = ids >= 0
-        return valid, read(kv_ref, jnp.where(valid, ids, 0)[:, None], valid)
+        return valid, read(functools.partial(_masked_load, kv_ref,
+                                             jnp.where(valid, ids, 0)[:, None], valid))
 
     def step(i, carry):
         if prefetch_tiles:
@@ -462,26 +471,9 @@ def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> i
 
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format", "interpret",
-                                             "tuning"))
-def sparse_mla_decode(
-    q: jax.Array,
-    kv_rows: jax.Array,
-    attention_rows: jax.Array,
-    *,
-    sm_scale: float,
-    v_width: int = 512,
-    kv_format: str = kvf.BF16,
-    interpret: bool = False,
-    tuning: AttentionTuning | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype
-    ("bf16") or q [T, h_q, 576] bf16 with kv_rows uint8 [R, 656] ("fp8_ds_mla"),
-    attention_rows int32 [T, K] (-1 = masked).
-
-    Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
-    Raises ValueError with `supports`' reason for inputs it cannot run.
-    """
+def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
+    """The kernel's launch for validated inputs: (kernel, padded q, padded rows, grid, the
+    padded K, splits, compiler params, cfg). Raises ValueError with `supports`' reason."""
     num_rows, h_q, width = q.shape
     if tuning is not None:
         cfg = tuning
@@ -507,28 +499,140 @@ def sparse_mla_decode(
     num_chunks = pl.cdiv(top_k, bk)
     splits = _attention_splits(num_rows * head_blocks, num_chunks, cfg)
     steps = pl.cdiv(num_chunks, splits)
-    q_pad, rows = pad_operands(q, attention_rows, h_pad, splits * steps * bk)
+    k_pad = splits * steps * bk
+    q_pad, rows = pad_operands(q, attention_rows, h_pad, k_pad)
     kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
                                q_pieces=_q_pieces(width, v_width, kv_format, fp8_scale),
                                v_pieces=_value_pieces(v_width, kv_format, fp8_scale),
                                read=read,
                                scale2=float(sm_scale) * LOG2E, prefetch_ids=cfg.prefetch_ids,
                                prefetch_tiles=cfg.prefetch_tiles)
+    out_shape = [jax.ShapeDtypeStruct((num_rows, splits, h_pad, v_width), q.dtype),
+                 jax.ShapeDtypeStruct((num_rows, splits, h_pad), jnp.float32)]
+    return (kernel, q_pad, rows, (head_blocks, splits, num_rows), k_pad, out_shape,
+            _triton.compiler_params(num_warps, cfg.num_stages), cfg)
+
+
+def _merge(out, lse2, h_q, dtype, splits, cfg, interpret):
+    if splits == 1 or not cfg.fused_combine:
+        return merge_splits(out, lse2, h_q, dtype)
+    return combine.combine_splits(out, lse2, h_q, dtype, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format", "interpret",
+                                             "tuning"))
+def sparse_mla_decode(
+    q: jax.Array,
+    kv_rows: jax.Array,
+    attention_rows: jax.Array,
+    *,
+    sm_scale: float,
+    v_width: int = 512,
+    kv_format: str = kvf.BF16,
+    interpret: bool = False,
+    tuning: AttentionTuning | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype
+    ("bf16") or q [T, h_q, 576] bf16 with kv_rows uint8 [R, 656] ("fp8_ds_mla"),
+    attention_rows int32 [T, K] (-1 = masked).
+
+    Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
+    Raises ValueError with `supports`' reason for inputs it cannot run.
+    """
+    kernel, q_pad, rows, grid, _, out_shape, params, cfg = _plan(
+        q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width, kv_format=kv_format,
+        tuning=tuning)
 
     def call(q_pad, kv_rows, rows):
         return tuple(pl.pallas_call(
-            kernel,
-            out_shape=[jax.ShapeDtypeStruct((num_rows, splits, h_pad, v_width), q.dtype),
-                       jax.ShapeDtypeStruct((num_rows, splits, h_pad), jnp.float32)],
-            grid=(head_blocks, splits, num_rows),
-            in_specs=[_triton.ANY] * 3,
-            out_specs=[_triton.ANY] * 2,
-            interpret=interpret,
-            compiler_params=_triton.compiler_params(num_warps, cfg.num_stages),
+            kernel, out_shape=out_shape, grid=grid,
+            in_specs=[_triton.ANY] * 3, out_specs=[_triton.ANY] * 2,
+            interpret=interpret, compiler_params=params,
             name="hisparse_sparse_mla_decode",
         )(q_pad, kv_rows, rows))
 
     out, lse2 = _compat.quiet_triton_call(call, q_pad, kv_rows, rows)
-    if splits == 1 or not cfg.fused_combine:
-        return merge_splits(out, lse2, h_q, q.dtype)
-    return combine.combine_splits(out, lse2, h_q, q.dtype, interpret=interpret)
+    return _merge(out, lse2, q.shape[1], q.dtype, grid[1], cfg, interpret)
+
+
+def _with_copies_kernel(*refs, attention, copy, programs, copy_inputs, head_blocks, splits):
+    """Programs [0, programs) run the copy (`gather_compact.triton._gather_kernel`, each
+    looping over its share), the rest the attention, program programs + a being the
+    attention's (head block a % HB, split a // HB % S, row a // (HB * S)): the order of its
+    own grid. refs: q, kv, rows, the copy's inputs and aliased caches, out, lse, the caches'
+    outputs."""
+    att_in, rest = refs[:3], refs[3:]
+    copy_in, (out_ref, lse_ref), caches_out = (rest[:copy_inputs], rest[copy_inputs:
+                                               copy_inputs + 2], rest[copy_inputs + 2:])
+    pid = pl.program_id(0)
+
+    @pl.when(pid < programs)
+    def _():
+        copy(*copy_in, *caches_out, pid=pid)
+
+    @pl.when(pid >= programs)
+    def _():
+        a = pid - programs
+        attention(*att_in, out_ref, lse_ref,
+                  ids=(a % head_blocks, a // head_blocks % splits, a // (head_blocks * splits)))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format",
+                                             "copy_programs", "interpret", "tuning"))
+def sparse_mla_decode_with_copies(
+    q: jax.Array,
+    kv_rows: jax.Array,
+    attention_rows: jax.Array,
+    host_pools: tuple[jax.Array, ...],
+    kv_caches: tuple[jax.Array, ...],
+    swap_src: jax.Array,
+    swap_dst: jax.Array,
+    swap_counts: jax.Array,
+    *,
+    sm_scale: float,
+    v_width: int = 512,
+    kv_format: str = kvf.BF16,
+    copy_programs: int = 32,
+    interpret: bool = False,
+    tuning: AttentionTuning | None = None,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """`sparse_mla_decode` of (q, kv_rows, attention_rows) and, in the same launch,
+    `gather_compact_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts)` run by
+    `copy_programs` looping programs beside the attention's: other layers' copies from host
+    (bound by PCIe) overlap this layer's attention (bound by HBM and the tensor cores) inside
+    one kernel, whatever XLA's scheduling of separate kernels. kv_caches must not include
+    kv_rows' buffer. Returns (out, lse, the updated kv_caches: aliased, in place where the
+    caller donates them)."""
+    kv_caches = tuple(kv_caches)
+    n, k = swap_src.shape
+    kernel, q_pad, rows, grid, _, out_shape, params, cfg = _plan(
+        q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width, kv_format=kv_format,
+        tuning=tuning)
+    if not kv_caches or n * k == 0 or any(c.size == 0 for c in kv_caches):
+        out, lse = sparse_mla_decode(q, kv_rows, attention_rows, sm_scale=sm_scale,
+                                     v_width=v_width, kv_format=kv_format,
+                                     interpret=interpret, tuning=tuning)
+        return out, lse, kv_caches
+    copy, copy_in, _ = gather_triton.copy_launch(
+        tuple(host_pools), kv_caches, swap_src, swap_dst, swap_counts, interpret=interpret,
+        tuning=gather_triton.DEFAULT, programs=copy_programs, fixed_programs=True)
+    head_blocks, splits, num_rows = grid
+    combined = functools.partial(
+        _with_copies_kernel, attention=kernel, copy=copy, programs=copy_programs,
+        copy_inputs=len(copy_in) + len(kv_caches), head_blocks=head_blocks, splits=splits)
+    first_cache = 3 + len(copy_in)
+
+    def call(*args):
+        return tuple(pl.pallas_call(
+            combined,
+            out_shape=[*out_shape, *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in kv_caches)],
+            grid=(copy_programs + head_blocks * splits * num_rows,),
+            in_specs=[_triton.ANY] * len(args), out_specs=[_triton.ANY] * (2 + len(kv_caches)),
+            input_output_aliases={first_cache + i: 2 + i for i in range(len(kv_caches))},
+            interpret=interpret, compiler_params=params,
+            name="hisparse_sparse_mla_decode_copies",
+        )(*args))
+
+    out, lse2, *caches = _compat.quiet_triton_call(call, q_pad, kv_rows, rows, *copy_in,
+                                                   *kv_caches)
+    return (*_merge(out, lse2, q.shape[1], q.dtype, splits, cfg, interpret), tuple(caches))

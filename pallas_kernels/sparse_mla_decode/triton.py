@@ -32,6 +32,11 @@ times scale_g feeds group g's value product, whose [block_h, 128] accumulator is
 so the bf16 operands are the stored fp8 values exactly and the scales enter in float32.
 "tiles" / "tile512" multiply the scales into the tile and round it to bf16 once (as bf16 rows
 are rounded), so the dots and the conversion of P are those of bf16 rows.
+
+`sparse_mla_decode_with_copies`: the same attention and, in the same launch, another index
+group's copies from host (`gather_compact.triton`'s kernel): the launch's first P programs
+loop over the copy plan, the others are the attention's programs in their grid order, so the
+copies (bound by PCIe) overlap the attention (bound by HBM and the tensor cores) on the GPU.
 """
 
 from __future__ import annotations
@@ -348,7 +353,7 @@ def _value_pieces(v_width: int, kv_format: str,
     return ((0, v_width),)
 
 
-def _attention_kernel(q_ref, kv_ref, rows_ref, *refs, block_h, block_k, steps,
+def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, block_k, steps,
                       q_pieces, v_pieces, read, scale2, prefetch_ids, prefetch_tiles=False,
                       ids=None):
     """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, row]
@@ -358,7 +363,6 @@ def _attention_kernel(q_ref, kv_ref, rows_ref, *refs, block_h, block_k, steps,
     of its value tiles. Writes out_ref [T, S, Hp, v] (normalised within the split) and
     lse_ref [T, S, Hp] (base 2). ids: (hb, s, t) when another kernel runs these programs as
     part of its grid (`_with_copies_kernel`)."""
-    out_ref, lse_ref = refs
     if ids is None:
         ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hb, s, t = ids
@@ -472,8 +476,9 @@ def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> i
 
 
 def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
-    """The kernel's launch for validated inputs: (kernel, padded q, padded rows, grid, the
-    padded K, splits, compiler params, cfg). Raises ValueError with `supports`' reason."""
+    """The kernel's launch for validated inputs: (kernel, padded q, padded rows, grid
+    (head blocks, splits, rows), the out / lse shapes, compiler params, the tuning used).
+    Raises ValueError with `supports`' reason."""
     num_rows, h_q, width = q.shape
     if tuning is not None:
         cfg = tuning
@@ -499,8 +504,7 @@ def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
     num_chunks = pl.cdiv(top_k, bk)
     splits = _attention_splits(num_rows * head_blocks, num_chunks, cfg)
     steps = pl.cdiv(num_chunks, splits)
-    k_pad = splits * steps * bk
-    q_pad, rows = pad_operands(q, attention_rows, h_pad, k_pad)
+    q_pad, rows = pad_operands(q, attention_rows, h_pad, splits * steps * bk)
     kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
                                q_pieces=_q_pieces(width, v_width, kv_format, fp8_scale),
                                v_pieces=_value_pieces(v_width, kv_format, fp8_scale),
@@ -509,11 +513,12 @@ def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
                                prefetch_tiles=cfg.prefetch_tiles)
     out_shape = [jax.ShapeDtypeStruct((num_rows, splits, h_pad, v_width), q.dtype),
                  jax.ShapeDtypeStruct((num_rows, splits, h_pad), jnp.float32)]
-    return (kernel, q_pad, rows, (head_blocks, splits, num_rows), k_pad, out_shape,
+    return (kernel, q_pad, rows, (head_blocks, splits, num_rows), out_shape,
             _triton.compiler_params(num_warps, cfg.num_stages), cfg)
 
 
 def _merge(out, lse2, h_q, dtype, splits, cfg, interpret):
+    """The kernel's per-split outputs merged: (out [T, h_q, v] in dtype, natural-log lse)."""
     if splits == 1 or not cfg.fused_combine:
         return merge_splits(out, lse2, h_q, dtype)
     return combine.combine_splits(out, lse2, h_q, dtype, interpret=interpret)
@@ -539,7 +544,7 @@ def sparse_mla_decode(
     Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
     Raises ValueError with `supports`' reason for inputs it cannot run.
     """
-    kernel, q_pad, rows, grid, _, out_shape, params, cfg = _plan(
+    kernel, q_pad, rows, grid, out_shape, params, cfg = _plan(
         q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width, kv_format=kv_format,
         tuning=tuning)
 
@@ -605,7 +610,7 @@ def sparse_mla_decode_with_copies(
     caller donates them)."""
     kv_caches = tuple(kv_caches)
     n, k = swap_src.shape
-    kernel, q_pad, rows, grid, _, out_shape, params, cfg = _plan(
+    kernel, q_pad, rows, grid, out_shape, params, cfg = _plan(
         q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width, kv_format=kv_format,
         tuning=tuning)
     if not kv_caches or n * k == 0 or any(c.size == 0 for c in kv_caches):

@@ -560,9 +560,9 @@ def main(argv: list[str] | None = None) -> int:
               "host_pool_layout": args.host_pool_layout,
               "position_map": not args.no_position_map, "copy_stream": args.copy_stream,
               "copy_programs": args.copy_programs,
-              "copy_with_attention": (args.copy_stream is None
-                                               if args.copy_with_attention is None
-                                               else args.copy_with_attention),
+              "copy_with_attention": EngineConfig(  # the engines' value (the default's rule)
+                  copy_stream=args.copy_stream,
+                  copy_with_attention=args.copy_with_attention).copy_with_attention,
               "topk_source": ("the model's indexer over synthetic unit-normal index keys"
                               if args.indexer else f"trace {args.trace}" if args.trace
                               else "drift model"),

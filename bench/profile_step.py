@@ -527,9 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                        "position_map": not args.no_position_map,
                        "copy_stream": args.copy_stream,
                        "copy_programs": args.copy_programs,
-                       "copy_with_attention": (args.copy_stream is None
-                                               if args.copy_with_attention is None
-                                               else args.copy_with_attention), **sizes},
+                       "copy_with_attention": engine.config.copy_with_attention, **sizes},
             "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device, "isolated": isolated,

@@ -434,21 +434,15 @@ class HiSparseKVCache:
         is computed (copies still pending with `copy_with_attention` run now). Returns the
         handle and the group's `Lookup`."""
         group = pending.group
-        layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
         if pending.plan is not None:
-            caches = list(self.caches)
-            caches[layers] = gather_compact_group(
-                batch.group_pools(group, self.index_group_size, self.num_layers),
-                caches[layers], *pending.plan, backend=self.ops_backend,
-                copy_programs=self.copy_programs)
-            return dataclasses.replace(self, caches=tuple(caches)), pending.found
+            return self._copy_group(group, pending.plan, batch), pending.found
         if pending.copies is None:
             return self, pending.found
-        caches = list(self.caches)
-        caches[layers] = gather_compact_group_finish(
-            batch.group_pools(group, self.index_group_size, self.num_layers), caches[layers],
-            pending.copies, after=after, copy_programs=self.copy_programs)
-        return dataclasses.replace(self, caches=tuple(caches)), pending.found
+        landed = gather_compact_group_finish(
+            batch.group_pools(group, self.index_group_size, self.num_layers),
+            self.caches[self._group_layers(group)], pending.copies, after=after,
+            copy_programs=self.copy_programs)
+        return self._with_group_caches(group, landed), pending.found
 
     def attend(self, layer: int, q: jax.Array, attention_rows: jax.Array, batch: CacheBatch,
                *, sm_scale: float, v_width: int = 512, backend: str | None = None,
@@ -470,19 +464,36 @@ class HiSparseKVCache:
             return (self, *sparse_mla_decode(q, self.caches[layer], attention_rows, **kw),
                     pending)
         group = pending.group
-        layers = range(group * self.index_group_size, (group + 1) * self.index_group_size)
-        if layer in layers:
+        layers = self._group_layers(group)
+        if layers.start <= layer < layers.stop:
             raise ValueError(f"layer {layer} attends while its own index group {group}'s "
                              "copies are pending: land the lookup first")
         out, lse, copied = sparse_mla_decode_with_copies(
             q, self.caches[layer], attention_rows,
             batch.group_pools(group, self.index_group_size, self.num_layers),
-            self.caches[layers.start:layers.stop], *pending.plan,
-            copy_programs=self.copy_programs or 32, **kw)
-        caches = list(self.caches)
-        caches[layers.start:layers.stop] = copied
-        return (dataclasses.replace(self, caches=tuple(caches)), out, lse,
+            self.caches[layers], *pending.plan, copy_programs=self.copy_programs or 32, **kw)
+        return (self._with_group_caches(group, copied), out, lse,
                 dataclasses.replace(pending, plan=None))
+
+    def _group_layers(self, group: int) -> slice:
+        """The layers of index group `group`."""
+        return slice(group * self.index_group_size, (group + 1) * self.index_group_size)
+
+    def _with_group_caches(self, group: int, caches: Sequence[jax.Array]) -> HiSparseKVCache:
+        """The handle with index group `group`'s layer caches replaced by `caches`."""
+        new = list(self.caches)
+        new[self._group_layers(group)] = caches
+        return dataclasses.replace(self, caches=tuple(new))
+
+    def _copy_group(self, group: int, plan: tuple[jax.Array, jax.Array, jax.Array],
+                    batch: CacheBatch) -> HiSparseKVCache:
+        """The handle after the swap plan's copies from host into every layer of `group`,
+        on the main stream (`gather_compact_group`)."""
+        copied = gather_compact_group(
+            batch.group_pools(group, self.index_group_size, self.num_layers),
+            self.caches[self._group_layers(group)], *plan, backend=self.ops_backend,
+            copy_programs=self.copy_programs)
+        return self._with_group_caches(group, copied)
 
     def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
                             batch: CacheBatch, *, ahead: bool = False
@@ -492,8 +503,6 @@ class HiSparseKVCache:
             source_block_table=batch.src, resident_block_table=batch.res,
             block_size=self.block_size, host_rows=self.host_rows, backend=self.ops_backend,
             query_rows_per_request=batch.rows_per_request)
-        layers = slice(group * self.index_group_size, (group + 1) * self.index_group_size)
-        pools = batch.group_pools(group, self.index_group_size, self.num_layers)
         found = Lookup(resolution.attention_rows, resolution.num_hits, resolution.swap_counts)
         plan = (resolution.swap_src, resolution.swap_dst, resolution.swap_counts)
         if ahead and self.copy_with_attention:  # the copies wait for `attend` or `land`
@@ -501,15 +510,11 @@ class HiSparseKVCache:
             return cache, PendingLookup(group, found,
                                         plan=plan if resolution.swap_src.size else None)
         if ahead and resolution.swap_src.size:
-            copies = gather_compact_group_start(pools, self.caches[layers], *plan,
-                                                stream=self.copy_stream,
-                                                backend=self.ops_backend,
-                                                copy_programs=self.copy_programs)
+            copies = gather_compact_group_start(
+                batch.group_pools(group, self.index_group_size, self.num_layers),
+                self.caches[self._group_layers(group)], *plan, stream=self.copy_stream,
+                backend=self.ops_backend, copy_programs=self.copy_programs)
             cache = dataclasses.replace(self, hot=_replace(self.hot, group, hot))
             return cache, PendingLookup(group, found, copies)
-        caches = list(self.caches)
-        caches[layers] = gather_compact_group(pools, caches[layers], *plan,
-                                              backend=self.ops_backend,
-                                              copy_programs=self.copy_programs)
-        cache = dataclasses.replace(self, caches=tuple(caches), hot=_replace(self.hot, group, hot))
-        return cache, found
+        cache = self._copy_group(group, plan, batch)
+        return dataclasses.replace(cache, hot=_replace(self.hot, group, hot)), found

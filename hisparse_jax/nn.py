@@ -477,15 +477,12 @@ class Transformer(nnx.Module):
             if leader:
                 hits.append(jnp.sum(lookup.hits))
                 misses.append(jnp.sum(lookup.misses))
-            if pending is not None and pending.plan is not None:
-                kv, latent, _, pending = kv.attend(
-                    layer, q, lookup.attention_rows, kvb, sm_scale=c.sm_scale,
-                    v_width=c.kv_lora_rank, backend=attention_backend, pending=pending)
-                out = block.attn.output(latent)
-            else:
-                out, latent = block.attn.attend(q, kv.caches[layer], lookup.attention_rows,
-                                                backend=attention_backend,
-                                                kv_format=kv.kv_format)
+            # The first attention after a lookup ahead also runs its copies, when they wait
+            # for one (`copy_with_attention`); any other attends alone.
+            kv, latent, _, pending = kv.attend(
+                layer, q, lookup.attention_rows, kvb, sm_scale=c.sm_scale,
+                v_width=c.kv_lora_rank, backend=attention_backend, pending=pending)
+            out = block.attn.output(latent)
             if collect_attention:
                 attn.append(latent)
             x = self._finish(x, block, out)

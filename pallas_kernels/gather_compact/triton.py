@@ -116,8 +116,7 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
     max_programs: when given, replaces `tuning.max_programs`.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
-    n, k = swap_src.shape
-    if not kv_caches or n * k == 0 or any(c.size == 0 for c in kv_caches):
+    if nothing_to_copy(kv_caches, swap_src):
         return kv_caches
     programs = tuning.max_programs if max_programs is None else max_programs
     kernel, inputs, grid = copy_launch(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
@@ -125,6 +124,11 @@ def gather_compact_group(host_pools: Sequence[jax.Array], kv_caches: Sequence[ja
     return _triton.call_in_place(kernel, inputs, kv_caches, grid=grid,
                                  num_warps=tuning.num_warps, interpret=interpret,
                                  name="hisparse_gather_compact")
+
+
+def nothing_to_copy(kv_caches: Sequence[jax.Array], swap_src: jax.Array) -> bool:
+    """Whether a copy has no work to launch: no layers, an empty plan, or an empty cache."""
+    return not kv_caches or swap_src.size == 0 or any(c.size == 0 for c in kv_caches)
 
 
 def copy_launch(host_pools: tuple[jax.Array, ...], kv_caches: tuple[jax.Array, ...],

@@ -609,15 +609,14 @@ def sparse_mla_decode_with_copies(
     kv_rows' buffer. Returns (out, lse, the updated kv_caches: aliased, in place where the
     caller donates them)."""
     kv_caches = tuple(kv_caches)
-    n, k = swap_src.shape
-    kernel, q_pad, rows, grid, out_shape, params, cfg = _plan(
-        q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width, kv_format=kv_format,
-        tuning=tuning)
-    if not kv_caches or n * k == 0 or any(c.size == 0 for c in kv_caches):
+    if gather_triton.nothing_to_copy(kv_caches, swap_src):
         out, lse = sparse_mla_decode(q, kv_rows, attention_rows, sm_scale=sm_scale,
                                      v_width=v_width, kv_format=kv_format,
                                      interpret=interpret, tuning=tuning)
         return out, lse, kv_caches
+    kernel, q_pad, rows, grid, out_shape, params, cfg = _plan(
+        q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width, kv_format=kv_format,
+        tuning=tuning)
     copy, copy_in, _ = gather_triton.copy_launch(
         tuple(host_pools), kv_caches, swap_src, swap_dst, swap_counts, interpret=interpret,
         tuning=gather_triton.DEFAULT, programs=copy_programs, fixed_programs=True)

@@ -26,7 +26,9 @@
 #        e2e_copy_stream (a HiSparse / all-resident pair at 1 and 256 with it), stream_overlap
 #        (bench/stream_overlap.py: the copy-stream call's schedule against its staging size),
 #        beside (EngineConfig.copy_with_attention: tests, the kernel benchmark, profiles at 256
-#        with and without, e2e pairs with it)
+#        with and without, e2e pairs with it), ab_async (alternating e2e pairs at 1 and 256 for
+#        .baseline/ and this tree, async; this tree's profiles at 1 and 256; pairs at 1 request),
+#        sweep_async (the e2e benchmark's full sweep and plot with asynchronous scheduling)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -72,6 +74,9 @@ run_step() {  # name, time limit in s, command...
       attention_splits) run_step attention_splits 580 python3 -m bench.attention_splits --ns 1,2,4,8 ;;
       e2e_fp8) run_step e2e_fp8 "${E2E_FP8_LIMIT:-580}" python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident --concurrency 1,64,256 --turnover-sweep= --time-budget "${E2E_FP8_BUDGET:-480}" --no-plot ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
+      # The full sweep with asynchronous scheduling (README table and plot): every
+      # concurrency, then the turnover sweep at 256.
+      sweep_async) run_step sweep_async "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --async-scheduling --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at 256 --output "bench/results/e2e_decode-async-${SWEEP_TAG:-sweep}-gpu.json" ;;
       e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;
       e2e_compare)
         cmp_args=(--concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
@@ -133,6 +138,25 @@ run_step() {  # name, time limit in s, command...
         for i in $(seq 1 "${E2E_BESIDE:-1}"); do
           run_step "e2e_beside_$i" 240 python3 -m bench.e2e_decode --async-scheduling --copy-with-attention --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-$tag-$i-gpu.json"
         done ;;
+      # Before / after on one warm machine, asynchronous scheduling: AB_PAIRS rounds of a
+      # HiSparse / all-resident e2e pair at 1 and 256 requests, for the code in .baseline/ (when
+      # present) then for this tree, alternating; then this tree's step profiles at 1 request
+      # (both modes) and at 256 (HiSparse), and AB_REPEAT1 more pairs at 1 request.
+      ab_async)
+        tag=${AB_TAG:-ab}
+        ab_args=(--async-scheduling --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
+        for i in $(seq 1 "${AB_PAIRS:-2}"); do
+          if [ -d .baseline ]; then
+            run_step "e2e_before_$i" 240 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.e2e_decode ${ab_args[*]} --output $PWD/bench/results/e2e_decode-async-$tag-before-$i-gpu.json"
+          fi
+          run_step "e2e_after_$i" 240 python3 -m bench.e2e_decode "${ab_args[@]}" --output "bench/results/e2e_decode-async-$tag-after-$i-gpu.json"
+        done
+        for run in hisparse-1 all-resident-1 hisparse-256; do
+          run_step "profile_$run" 200 python3 -m bench.profile_step --mode "${run%-*}" --concurrency "${run##*-}" --async-scheduling --output "bench/results/profile_step-gpu-$run-async-$tag.json"
+        done
+        for i in $(seq 1 "${AB_REPEAT1:-3}"); do
+          run_step "e2e_repeat1_$i" 150 python3 -m bench.e2e_decode --async-scheduling --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-async-$tag-$i-gpu.json"
+        done ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;
       # Host phases and a device profile of one step (bench/profile_step.py), e2e budget.
@@ -146,13 +170,14 @@ run_step() {  # name, time limit in s, command...
         sched=() tag=""
         [ "$step" = e2e_repeat1_async ] && sched=(--async-scheduling) tag="async-"
         for i in 1 2 3; do
-          run_step "${step}_$i" 150 python3 -m bench.e2e_decode ${sched[@]+"${sched[@]}"} --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-$tag$i-gpu.json"
+          run_step "${step}_$i" 150 python3 -m bench.e2e_decode ${sched[@]+"${sched[@]}"} --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-$tag${REPEAT1_TAG:+$REPEAT1_TAG-}$i-gpu.json"
         done ;;
       # The model's own indexer selecting over 64K synthetic index keys (not the drift model).
-      e2e_indexer) run_step e2e_indexer 300 python3 -m bench.e2e_decode --indexer --concurrency 1,256 --modes hisparse,all-resident --no-plot --output bench/results/e2e_decode-indexer-gpu.json ;;
+      # REALISM_ASYNC=1: this and e2e_deep with asynchronous scheduling (-async in the name).
+      e2e_indexer) run_step e2e_indexer "${E2E_INDEXER_LIMIT:-300}" python3 -m bench.e2e_decode ${REALISM_ASYNC:+--async-scheduling} --indexer --concurrency 1,256 --modes hisparse,all-resident --no-plot --output "bench/results/e2e_decode-indexer${REALISM_ASYNC:+-async}-gpu.json" ;;
       # A deeper model: 8 layers at 1 request and at 96 (the most whose 64K contexts the
       # 128 GiB host holds pinned at 8 layers: ~60 GiB).
-      e2e_deep) run_step e2e_deep 330 python3 -m bench.e2e_decode --num-layers 8 --concurrency 1,96 --modes hisparse,all-resident --turnover-sweep= --no-plot --output bench/results/e2e_decode-8layers-gpu.json ;;
+      e2e_deep) run_step e2e_deep "${E2E_DEEP_LIMIT:-330}" python3 -m bench.e2e_decode ${REALISM_ASYNC:+--async-scheduling} --num-layers 8 --concurrency 1,96 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-8layers${REALISM_ASYNC:+-async}-gpu.json" ;;
       # XLA command buffers (CUDA graphs) for every thunk kind: the decode check's tokens with
       # and without them (must be identical), then HiSparse / all-resident at 256 both ways.
       cmdbuf)

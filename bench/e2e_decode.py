@@ -457,6 +457,24 @@ def _formats(text: str) -> list[str]:
     return formats
 
 
+def add_copy_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's copy options (--copy-stream, --copy-programs, --copy-with-attention), read
+    by `make_engine`'s EngineConfig; shared with `bench.profile_step`."""
+    p.add_argument("--copy-stream", type=int, default=None,
+                   help="EngineConfig.copy_stream: look each index group after the first up "
+                        "ahead, its copies from host on this GPU stream during the previous "
+                        "group's layers (default: the main stream, in model order)")
+    p.add_argument("--copy-programs", type=int, default=None,
+                   help="EngineConfig.copy_programs: at most this many GPU programs move a "
+                        "step's copies from host (default: a program per chunk of misses)")
+    p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="EngineConfig.copy_with_attention: each index group after the first "
+                        "looked up ahead, its copies from host in the launch of the previous "
+                        "group's first attention (default: the library's, on unless "
+                        "--copy-stream)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -485,19 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-position-map", action="store_true",
                    help="hot states without the position map: resolve searches the hot region "
                         "(the rule before 2026-12-04)")
-    p.add_argument("--copy-stream", type=int, default=None,
-                   help="EngineConfig.copy_stream: look each index group after the first up "
-                        "ahead, its copies from host on this GPU stream during the previous "
-                        "group's layers (default: the main stream, in model order)")
-    p.add_argument("--copy-programs", type=int, default=None,
-                   help="EngineConfig.copy_programs: at most this many GPU programs move a "
-                        "step's copies from host (default: a program per chunk of misses)")
-    p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="EngineConfig.copy_with_attention: each index group after the first "
-                        "looked up ahead, its copies from host in the launch of the previous "
-                        "group's first attention (default: the library's, on unless "
-                        "--copy-stream)")
+    add_copy_flags(p)
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")

@@ -74,10 +74,13 @@ run_step() {  # name, time limit in s, command...
       attention_splits) run_step attention_splits 580 python3 -m bench.attention_splits --ns 1,2,4,8 ;;
       e2e_fp8) run_step e2e_fp8 "${E2E_FP8_LIMIT:-580}" python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident --concurrency 1,64,256 --turnover-sweep= --time-budget "${E2E_FP8_BUDGET:-480}" --no-plot ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
-      # The full sweep with asynchronous scheduling (README table and plot): every
-      # concurrency, then the turnover sweep at 256.
-      sweep_async) run_step sweep_async "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --async-scheduling --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at 256 --output "bench/results/e2e_decode-async-${SWEEP_TAG:-sweep}-gpu.json" ;;
-      e2e) run_step e2e "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" --turnover-sweep-at "${E2E_SWEEP_AT:-128}" ;;
+      # The e2e benchmark's sweep: every concurrency, then the turnover sweep (at E2E_SWEEP_AT).
+      # sweep_async: with asynchronous scheduling, the turnover sweep at 256 (README table and
+      # plot; bench/results/e2e_decode-async-$SWEEP_TAG-gpu.json).
+      e2e|sweep_async)
+        sweep=(--turnover-sweep-at "${E2E_SWEEP_AT:-128}")
+        [ "$step" = sweep_async ] && sweep=(--async-scheduling --turnover-sweep-at "${E2E_SWEEP_AT:-256}" --output "bench/results/e2e_decode-async-${SWEEP_TAG:-sweep}-gpu.json")
+        run_step "$step" "${E2E_LIMIT:-470}" python3 -m bench.e2e_decode --time-budget "${E2E_BUDGET:-380}" "${sweep[@]}" ;;
       e2e_compare)
         cmp_args=(--concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
         if [ -d .baseline ]; then

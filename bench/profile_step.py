@@ -441,17 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-size", type=int, default=None)
     p.add_argument("--no-position-map", action="store_true",
                    help="hot states without the position map (resolve searches the hot region)")
-    p.add_argument("--copy-stream", type=int, default=None,
-                   help="EngineConfig.copy_stream: group g + 1's copies from host on this GPU "
-                        "stream, looked up ahead during group g's layers")
-    p.add_argument("--copy-programs", type=int, default=None,
-                   help="EngineConfig.copy_programs: at most this many GPU programs move them")
-    p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="EngineConfig.copy_with_attention: each index group after the first "
-                        "looked up ahead, its copies from host in the launch of the previous "
-                        "group's first attention (default: the library's, on unless "
-                        "--copy-stream)")
+    e2e.add_copy_flags(p)
     p.add_argument("--gpu-blocks", type=int, default=None)
     p.add_argument("--turnover", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=8)

@@ -455,14 +455,14 @@ class HiSparseKVCache:
         done: `land` it before that group attends)."""
         kw = {"sm_scale": sm_scale, "v_width": v_width, "kv_format": self.kv_format,
               "backend": backend}
-        if pending is not None and pending.plan is not None and backend is not None \
-                and backend not in registered_backends("sparse_mla_decode_with_copies"):
+        if pending is None or pending.plan is None:  # no copies wait for an attention
+            return (self, *sparse_mla_decode(q, self.caches[layer], attention_rows, **kw),
+                    pending)
+        if backend is not None and backend not in registered_backends(
+                "sparse_mla_decode_with_copies"):
             cache, _ = self.land(pending, batch)       # no combined kernel on that backend
             return (cache, *sparse_mla_decode(q, cache.caches[layer], attention_rows, **kw),
                     dataclasses.replace(pending, plan=None))
-        if pending is None or pending.plan is None:
-            return (self, *sparse_mla_decode(q, self.caches[layer], attention_rows, **kw),
-                    pending)
         group = pending.group
         layers = self._group_layers(group)
         if layers.start <= layer < layers.stop:

@@ -6,6 +6,7 @@ and, for each figure, the baseline measured in the same run and the ratio to it.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -19,6 +20,18 @@ from typing import Any
 import jax
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The benchmarks' --help: appends "(default: X)" to a flag's help once, not where the
+    help already says its default, nor for a default of None or False (a flag that is off,
+    or whose help says what it falls back to)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def machine_description() -> dict[str, Any]:

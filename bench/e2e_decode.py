@@ -60,7 +60,7 @@ os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench._common import RESULTS_DIR, write_result  # noqa: E402
+from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
 from hisparse_jax import nn  # noqa: E402
 from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
@@ -477,17 +477,22 @@ def add_copy_flags(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+                                formatter_class=HelpFormatter)
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS),
+                   help="model config (hisparse_jax.nn.CONFIGS), randomly initialised")
     p.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
     p.add_argument("--gen-budget", type=int, default=1024,
                    help="room for generated tokens (max_model_len = context + this)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128, 256])
-    p.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
+    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128, 256],
+                   help="concurrent requests (engine seats) of each run, comma-separated")
+    p.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES),
+                   help=f"modes to run, comma-separated, of {', '.join(MODES)}")
     p.add_argument("--turnover", type=float, default=0.05, help="drift model: set turnover/step")
     p.add_argument("--turnover-sweep", type=_floats, default=[0.02, 0.10, 0.25],
                    help="more turnovers, at --turnover-sweep-at concurrency (not all-resident)")
-    p.add_argument("--turnover-sweep-at", type=int, default=None, help="default: max concurrency")
+    p.add_argument("--turnover-sweep-at", type=int, default=None,
+                   help="the concurrency of the turnover sweep (default: the largest "
+                        "--concurrency)")
     p.add_argument("--trace", default=None, help="replay this top-k trace file instead")
     p.add_argument("--indexer", action="store_true",
                    help="the model's own indexer selects (over synthetic unit-normal index "
@@ -507,24 +512,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64, help="KV rows per block (page)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="EngineConfig.async_scheduling: plan and dispatch step t + 1 while "
                         "step t runs on the device")
-    p.add_argument("--hot-size", type=int, default=None, help="default 2 * top_k")
+    p.add_argument("--hot-size", type=int, default=None,
+                   help="hot-region rows per request (default: 2 * top_k)")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU KV budget, blocks per layer (default: sized for max concurrency)")
-    p.add_argument("--warmup-steps", type=int, default=8)
-    p.add_argument("--measure-steps", type=int, default=48)
+    p.add_argument("--warmup-steps", type=int, default=8,
+                   help="untimed engine steps after the ramp to the steady state")
+    p.add_argument("--measure-steps", type=int, default=48,
+                   help="timed engine steps per run (split over --rounds)")
     p.add_argument("--rounds", type=int, default=4,
                    help="HiSparse and all-resident alternate in this many measured blocks")
-    p.add_argument("--max-ramp-steps", type=int, default=2000)
+    p.add_argument("--max-ramp-steps", type=int, default=2000,
+                   help="a run that has not reached its steady state after this many steps "
+                        "is skipped")
     p.add_argument("--time-budget", type=float, default=float("inf"),
                    help="seconds, shared equally by the --kv-format formats; runs that would "
                         "start later are skipped")
-    p.add_argument("--output", default=None, help="default bench/results/e2e_decode-<backend>.json")
-    p.add_argument("--plot", default=None, help="PNG path (default next to the JSON)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--output", default=None,
+                   help="JSON path (default: bench/results/e2e_decode-<backend>.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument("--plot-only", default=None, help="draw the plot of an existing JSON and exit")
     p.add_argument("--sweep-from", default=None,
                    help="with --plot-only: take the turnover panel from this JSON")

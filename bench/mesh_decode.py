@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from bench import e2e_decode
+from bench._common import HelpFormatter
 from hisparse_jax import nn
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.topk_sources import DriftTopK
@@ -53,20 +54,31 @@ def _run(model, args, sizes, *, mode: str, concurrency: int, build, shards: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--mesh", default="2x1", help="data x model (data * model = devices)")
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
-    p.add_argument("--context", type=int, default=65536)
-    p.add_argument("--gen-budget", type=int, default=1024)
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS),
+                   help="model config (hisparse_jax.nn.CONFIGS), randomly initialised")
+    p.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
+    p.add_argument("--gen-budget", type=int, default=1024,
+                   help="room for generated tokens (max_model_len = context + this)")
     p.add_argument("--concurrency", type=int, default=128, help="requests per device")
-    p.add_argument("--turnover", type=float, default=0.05)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--hot-size", type=int, default=None)
-    p.add_argument("--gpu-blocks", type=int, default=None, help="device KV budget per shard")
-    p.add_argument("--warmup-steps", type=int, default=8)
-    p.add_argument("--measure-steps", type=int, default=48)
-    p.add_argument("--max-ramp-steps", type=int, default=2000)
-    p.add_argument("--output", default=None)
+    p.add_argument("--turnover", type=float, default=0.05,
+                   help="drift model: share of the top-k replaced per step")
+    p.add_argument("--block-size", type=int, default=64, help="KV rows per block (page)")
+    p.add_argument("--hot-size", type=int, default=None,
+                   help="hot-region rows per request (default: 2 * top_k)")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="device KV budget per shard, blocks per layer (default: sized for "
+                        "--concurrency)")
+    p.add_argument("--warmup-steps", type=int, default=8,
+                   help="untimed engine steps after the ramp to the steady state")
+    p.add_argument("--measure-steps", type=int, default=48, help="timed engine steps per run")
+    p.add_argument("--max-ramp-steps", type=int, default=2000,
+                   help="a run that has not reached its steady state after this many steps "
+                        "fails")
+    p.add_argument("--output", default=None,
+                   help="JSON path (default: bench/results/mesh_decode-<backend>.json)")
     args = p.parse_args(argv)
     try:
         D, M = (int(n) for n in args.mesh.split("x"))

@@ -37,8 +37,9 @@ from hisparse_jax import nn
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
 from hisparse_jax.engine import Engine, EngineConfig
-from host_tier import CapacityError
+from host_tier import CapacityError, Coordinator
 from host_tier.sizes import cdiv
+from host_tier.worker.host_pool import available_ram_bytes, check_available_ram
 from pallas_kernels import kv_format as kvf
 
 MAX_SEED = 2**32 - 1          # jax.random.PRNGKey keeps the low 32 bits: larger seeds collide
@@ -158,12 +159,27 @@ def pool_fraction(text: str) -> float:
     return value
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help once: not where the help text already says
+    its default, nor for a default of None or False (an option that is off, or whose help
+    says what it falls back to)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="decode.py", usage="%(prog)s [options]",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(nn.CONFIGS))
-    p.add_argument("--requests", type=positive_int, default=6)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--config", default="tiny", choices=sorted(nn.CONFIGS),
+                   help="model config (hisparse_jax.nn.CONFIGS): tiny and tiny576 run on the "
+                        "CPU; dsv32-2l has DeepSeek-V3.2's attention dimensions (2 layers)")
+    p.add_argument("--requests", type=positive_int, default=6,
+                   help="requests to decode (random prompts drawn from --seed)")
     p.add_argument("--seats", type=positive_int, default=4,
                    help="decode batch rows (max_num_reqs); at most --requests are used")
     p.add_argument("--prompt-len", type=positive_int, default=64,
@@ -171,12 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=positive_int, default=48, help="new tokens per request")
     p.add_argument("--max-model-len", type=positive_int, default=128,
                    help="longest request: --prompt-len + --gen-len must fit")
-    p.add_argument("--block-size", type=positive_int, default=4)
+    p.add_argument("--block-size", type=positive_int, default=4,
+                   help="KV rows per block (page) of the device and host pools")
     p.add_argument("--top-k", type=positive_int, default=None,
                    help="override the config's top_k (default: the config's)")
     p.add_argument("--index-group-size", type=positive_int, default=None, metavar="G",
                    help="override the config's layers per index group (G layers share one "
-                        "indexer's top-k; the host pool keeps them side by side)")
+                        "indexer's top-k; the host pool keeps them side by side; default: the "
+                        "config's)")
     p.add_argument("--hot-size", type=positive_int, default=None,
                    help="hot-region rows per request, >= top_k (default: 2 * top_k rounded up "
                         "to --block-size)")
@@ -184,11 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device pool blocks per layer (excludes --gpu-pool-fraction)")
     p.add_argument("--gpu-pool-fraction", type=pool_fraction, default=None,
                    help=f"without --gpu-blocks: device pool = this fraction in (0, 1] of the "
-                        f"contexts, never below what a lone request needs (default "
+                        f"contexts, never below what a lone request needs (default: "
                         f"{DEFAULT_GPU_POOL_FRACTION})")
     p.add_argument("--host-blocks", type=positive_int, default=None,
                    help="host pool blocks (default: one full-length request per seat, plus one)")
-    p.add_argument("--prefill-bucket", type=positive_int, default=64)
+    p.add_argument("--prefill-bucket", type=positive_int, default=64,
+                   help="prefill lengths are padded up to a multiple of this many tokens (one "
+                        "compiled prefill per bucket)")
     p.add_argument("--prefill-chunk-size", type=positive_int, default=None, metavar="C",
                    help="prefill prompts in chunks of at most C tokens, sharing steps with "
                         "decode (default: one shot); --check compares with all-resident "
@@ -290,6 +310,77 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.top_k is not None and args.top_k > MAX_HOT_SIZE:
         p.error(f"--top-k {args.top_k} must be <= {MAX_HOT_SIZE}: the hot region (>= top_k "
                 f"rows) holds at most {MAX_HOT_SIZE} slots")
+    if args.json is not None:
+        reason = unwritable(args.json)
+        if reason:
+            p.error(f"--json {args.json}: {reason} (the record is written when the run ends, "
+                    f"so the path must be a writable file in an existing folder)")
+
+
+def unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path` (None: it can). Probes by opening it: an
+    existing file for appending (its contents stay), a new one by creating and removing it."""
+    if os.path.isdir(path):
+        return "is a folder, not a file"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot be written ({e.strerror or type(e).__name__})"
+    if not existed:
+        os.remove(path)
+    return None
+
+
+def device_memory() -> tuple[int, str]:
+    """(bytes, where): the first device's memory limit where the backend reports one (GPU),
+    else the available RAM (the CPU backend keeps device arrays in RAM)."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"the {device.device_kind} holds"
+    return available_ram_bytes(), "of RAM available (the CPU device's memory)"
+
+
+def check_pools(args: argparse.Namespace, cfg: nn.ModelConfig, ec: EngineConfig) -> None:
+    """The engine's rules on the pool sizes of `ec`, before any model or engine is built
+    (ValueError naming the setting, as the engine would raise): the device KV caches fit the
+    device's memory; the host pool fits 95% of the available RAM; the host tier accepts the
+    pool sizes; and a lone request of --prompt-len + --gen-len tokens (the longest this run
+    draws) can be served."""
+    hs = ec.hisparse_config(cfg)
+    block_bytes = hs.block_size * hs.row_bytes * cfg.num_layers      # one block, every layer
+    need, (limit, where) = hs.num_gpu_blocks * block_bytes, device_memory()
+    if need > limit:
+        sizes = ("--seats x --max-model-len" if ec.all_resident
+                 else "EngineConfig.num_gpu_blocks: the device pool")
+        raise ValueError(f"the device KV caches of {hs.num_gpu_blocks} blocks ({sizes}) x "
+                         f"{cfg.num_layers} layers x {hs.block_size} rows of {hs.row_bytes} B "
+                         f"need {need / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB "
+                         f"{where}")
+    if ec.all_resident:
+        return                            # every request fits its seat (max_model_len)
+    try:
+        check_available_ram(hs.num_host_blocks * block_bytes, what="num_host_blocks")
+    except ValueError as e:
+        raise ValueError(f"the host pool of EngineConfig.num_host_blocks="
+                         f"{hs.num_host_blocks}: {e}") from None
+    try:
+        tier = Coordinator.from_config(hs, enable_prefix_caching=ec.enable_prefix_caching,
+                                       offload_all=ec.naive_offload)
+    except ValueError as e:
+        raise ValueError(f"EngineConfig.num_gpu_blocks={hs.num_gpu_blocks} / num_host_blocks="
+                         f"{hs.num_host_blocks} refused by the host tier: {e}") from None
+    total = args.prompt_len + args.gen_len
+    reason = tier.capacity_error(args.prompt_len, total - 1,
+                                 num_lookahead_tokens=ec.num_speculative_tokens)
+    if reason is not None:
+        raise ValueError(f"a request of --prompt-len {args.prompt_len} + --gen-len "
+                         f"{args.gen_len} tokens can never be served: {reason}")
 
 
 # ------------------------------------------------------------------ engine
@@ -354,7 +445,8 @@ def refusal(error: BaseException, what: str) -> str:
     """The one-line report of a configuration error, naming the flags behind the settings
     its message names."""
     text = one_line(error)
-    flags = sorted({flag for key, flag in FIELD_FLAGS.items() if key in text})
+    flags = sorted({flag for key, named in FIELD_FLAGS.items() if key in text
+                    for flag in named.split(" / ")})
     return f"{what}: {text}" + (f" (set by {', '.join(flags)})" if flags else "")
 
 
@@ -488,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
             ec.hisparse_config(cfg)       # the sizes' rules (HiSparseConfig), builds nothing
     except (ValueError, TypeError) as e:
         p.error(refusal(e, "invalid configuration"))
+    for ec in configs:                    # the engine's pool rules, still before any work
+        try:
+            check_pools(args, cfg, ec)
+        except ValueError as e:
+            p.error(refusal(e, "the engine refused this configuration"))
 
     model = nn.init_model(cfg, seed=args.seed)
     engines: list[Engine] = []

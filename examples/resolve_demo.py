@@ -5,6 +5,9 @@ Each step, every request selects `top_k` of its context positions (a window that
 maps them to hot-region rows and plans the misses, `gather_compact` copies the misses from
 the pinned host pool, and the script checks that every selected device row now holds
 exactly the host row it stands for. Runs on the CPU in seconds.
+
+Every argument is checked before any work: a bad value or combination prints one line naming
+the flag and the rule and exits with status 2.
 """
 
 from __future__ import annotations
@@ -17,22 +20,102 @@ import jax.numpy as jnp
 import numpy as np
 
 import hisparse_jax as hs
+from hisparse_jax.config import MAX_HOT_SIZE
 from host_tier import memory_sharding
 from host_tier.sizes import cdiv
+from host_tier.worker.host_pool import check_available_ram
+
+
+def _int(text: str, least: int) -> int:
+    """argparse type: an integer >= `least`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int(text, 1)
+
+
+def seed_int(text: str) -> int:
+    """argparse type: an integer >= 0 (numpy's generator refuses negative seeds)."""
+    return _int(text, 0)
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:             # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="resolve_demo.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--requests", type=positive_int, default=4,
+                   help="requests, each with its own hot region and host pages")
+    p.add_argument("--context", type=positive_int, default=4096,
+                   help="tokens per request (all of them in the pinned host pool)")
+    p.add_argument("--top-k", type=positive_int, default=256,
+                   help="positions each request selects per step, <= --context")
+    p.add_argument("--hot-size", type=positive_int, default=512,
+                   help=f"hot-region rows per request, in [--top-k, {MAX_HOT_SIZE}]")
+    p.add_argument("--block-size", type=positive_int, default=64, help="rows per block (page)")
+    p.add_argument("--row-width", type=positive_int, default=576,
+                   help="bfloat16 values per KV row, a multiple of 8 (16-byte rows)")
+    p.add_argument("--steps", type=positive_int, default=20, help="decode steps to simulate")
+    p.add_argument("--turnover", type=fraction, default=0.05,
+                   help="share of each top-k replaced per step, in [0, 1] (at least one "
+                        "position)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed, an int >= 0")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules between flags, before any work; `p.error` (exit 2) names the flags."""
+    if args.top_k > args.context:
+        p.error(f"--top-k {args.top_k} must be <= --context {args.context} (a request selects "
+                f"distinct positions of its context)")
+    if args.hot_size < args.top_k:
+        p.error(f"--hot-size {args.hot_size} must be >= --top-k {args.top_k} (each miss of a "
+                f"step needs its own hot slot)")
+    if args.hot_size > MAX_HOT_SIZE:
+        p.error(f"--hot-size {args.hot_size} must be <= {MAX_HOT_SIZE} (hot slot ids are int16)")
+    if args.row_width % 8:
+        p.error(f"--row-width {args.row_width} must be a multiple of 8 (bfloat16 rows of a "
+                f"multiple of 16 bytes)")
+    new = replaced_per_step(args)
+    if args.top_k + new > args.context:
+        p.error(f"--top-k {args.top_k} + the {new} positions --turnover {args.turnover:g} "
+                f"replaces per step must be <= --context {args.context} (new picks come from "
+                f"outside the current selection)")
+    pages = cdiv(args.context, args.block_size)
+    pool = (args.requests * pages + 1) * args.block_size * args.row_width * 2
+    try:
+        check_available_ram(pool, what="--requests x --context x --row-width")
+    except ValueError as e:
+        p.error(str(e))
+
+
+def replaced_per_step(args: argparse.Namespace) -> int:
+    """Positions of each request's selection replaced per step: --turnover of --top-k, at
+    least one."""
+    return max(1, int(args.turnover * args.top_k))
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--context", type=int, default=4096, help="tokens per request")
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--hot-size", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--row-width", type=int, default=576)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--turnover", type=float, default=0.05, help="share of top-k replaced/step")
-    p.add_argument("--seed", type=int, default=0)
+    p = build_parser()
     args = p.parse_args(argv)
+    check_args(p, args)
 
     cfg = hs.HiSparseConfig(top_k=args.top_k, hot_size=args.hot_size,
                             block_size=args.block_size, max_num_reqs=args.requests,
@@ -77,10 +160,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{step:>4} {hits:>6} {misses:>7} {hits / (hits + misses):>8.1%} {moved:>9.2f} "
               f"{ms:>7.1f}")
         # Drift: replace `turnover` of each request's selection with fresh positions.
+        k_new = replaced_per_step(args)
         for r in range(n):
-            k_new = max(1, int(args.turnover * args.top_k))
-            fresh = np.setdiff1d(rng.choice(args.context, 4 * k_new, replace=False), sel[r])
-            sel[r, rng.choice(args.top_k, k_new, replace=False)] = fresh[:k_new]
+            outside = np.setdiff1d(np.arange(args.context), sel[r])   # >= k_new: check_args
+            sel[r, rng.choice(args.top_k, k_new, replace=False)] = rng.choice(
+                outside, k_new, replace=False)
     print(f"all {args.steps} steps exact | overall hit rate "
           f"{tot_hits / (tot_hits + tot_miss):.1%} | "
           f"{tot_miss * cfg.row_bytes / 2**20:.1f} MiB moved host -> device")

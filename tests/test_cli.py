@@ -124,6 +124,132 @@ def test_fitting_lengths_pass_the_checks(no_work):
     decode.check_args(p, args)                 # no SystemExit
 
 
+# ------------------------------------------------------------------ output path, pool sizes
+
+
+@pytest.mark.parametrize("where, rule", [
+    ("missing/run.json", "does not exist"),     # a folder that is not there
+    (".", "is a folder"),                        # a folder, not a file
+])
+def test_json_path_is_checked_before_any_work(where, rule, tmp_path, capsys, no_work):
+    path = str(tmp_path / where)
+    line = refused(["--json", path], capsys)
+    assert f"--json {path}" in line and rule in line
+    assert not (tmp_path / "missing").exists()
+
+
+def test_json_probe_leaves_no_file(tmp_path, no_work):
+    """A writable new path passes the checks and is not created by them."""
+    p = decode.build_parser()
+    path = tmp_path / "run.json"
+    decode.check_args(p, p.parse_args(["--json", str(path)]))     # no SystemExit
+    assert not path.exists()
+    path.write_text("kept")                                     # an existing file: appendable
+    decode.check_args(p, p.parse_args(["--json", str(path)]))
+    assert path.read_text() == "kept"
+
+
+def test_missing_json_folder_exits_2_quickly(tmp_path):
+    """The newcomer's case, as a fresh process: exit 2 and one line naming --json, with no
+    model, engine or decode run first (nothing on stdout, where a run prints its header)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    target = tmp_path / "no-such-folder" / "run.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "decode.py"), "--json",
+                           str(target)], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"{PROG}: error: --json "), proc.stderr
+
+
+POOL_REFUSALS = [
+    (["--host-blocks", "2"], ["--host-blocks", "host pool", "--prompt-len 64"]),
+    (["--gpu-blocks", "5"], ["--gpu-blocks", "refused by the host tier"]),
+    (["--gpu-blocks", "20"], ["--gpu-blocks", "--gpu-pool-fraction", "device pool"]),
+    (["--host-blocks", str(10**12)], ["--host-blocks", "RAM"]),
+    (["--gpu-blocks", str(10**12)], ["--gpu-blocks", "device KV caches"]),
+    (["--all-resident", "--max-model-len", str(10**12)], ["--seats x --max-model-len"]),
+]
+
+
+@pytest.mark.parametrize("argv, names", POOL_REFUSALS)
+def test_pool_sizes_are_checked_before_any_work(argv, names, capsys, no_work):
+    """The engine's pool rules (device memory, host RAM, the host tier's sizes, a lone
+    request of --prompt-len + --gen-len tokens) refuse before the model is built, with the
+    line the engine's refusal gives."""
+    line = refused(argv, capsys)
+    assert "the engine refused this configuration" in line
+    for name in names:
+        assert name in line
+
+
+# ------------------------------------------------------------------ --help
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """--help output -> {flag line: its help text}: a flag's block runs from its line (two
+    spaces, then "-") to the next flag's."""
+    blocks: dict[str, list[str]] = {}
+    head = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            parts = line.strip().split("  ", 1)
+            head = parts[0]
+            blocks[head] = [parts[1].strip()] if len(parts) > 1 else []
+        elif head is not None and line.startswith("   "):
+            blocks[head].append(line.strip())
+        else:
+            head = None
+    return {head: " ".join(words) for head, words in blocks.items()}
+
+
+def check_help(parser: argparse.ArgumentParser, text: str) -> None:
+    """Every flag of `parser` has a help text and its --help block states a default at most
+    once."""
+    silent = [a.option_strings[0] for a in parser._actions if not a.help]
+    assert not silent, f"flags without a help text: {silent}"
+    blocks = help_blocks(text)
+    assert len(blocks) == len(parser._actions), blocks
+    for head, words in blocks.items():
+        assert words, f"{head}: no help text"
+        assert words.count("(default") <= 1, f"{head}: {words}"
+
+
+def test_every_flag_has_help_and_one_default(capsys):
+    p = decode.build_parser()
+    check_help(p, p.format_help())
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--help"])
+    assert exc.value.code == 0
+    blocks = help_blocks(capsys.readouterr().out)
+    for flag in ("--config", "--requests", "--block-size", "--prefill-bucket"):
+        (words,) = [w for head, w in blocks.items() if head.split()[0] == flag]
+        assert words, flag
+    assert "(default: 0.4)" in blocks["--gpu-pool-fraction GPU_POOL_FRACTION"]
+    assert not any("(default: None)" in w for w in blocks.values())
+
+
+@pytest.mark.parametrize("module", ["e2e_decode", "mesh_decode"])
+def test_bench_help_has_a_text_per_flag_and_one_default(module, capsys, monkeypatch):
+    """The benches a user is pointed to build their parser in main(): --help is parsed
+    before anything runs."""
+    import importlib
+    bench = importlib.import_module(f"bench.{module}")
+    parsers = []
+    real = argparse.ArgumentParser.parse_args
+
+    def keep(self, *args, **kwargs):
+        parsers.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    check_help(parsers[0], capsys.readouterr().out)
+
+
 # ------------------------------------------------------------------ defaults, no fallbacks
 
 

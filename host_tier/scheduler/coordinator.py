@@ -20,10 +20,10 @@ The coordinator itself owns the requests, the state rows, the block tables and t
 Its calls are grouped by what they do: admission (`Admission`, `admission.py`: `admit` and the
 questions about an admission), scheduling (`Scheduling`, `scheduling.py`: `schedule`,
 `schedule_batch`, `set_token_ids` and their argument checks), and here plan building, worker
-reports and release. The parts share the two `BlockPool`s, one
-`PassLog` (what the open pass changed) and one stats counter; besides that they talk through two
-callbacks: the planner releases a spilled page's device block through the residency policy, and
-the residency policy's reuse watcher tells the prefix cache that a device copy is gone.
+reports and release. The parts share the two `BlockPool`s, one `PassLog` (what the open pass
+changed) and one stats counter; besides that they talk through two callbacks: the planner
+releases a spilled page's device block through the residency policy, and the residency
+policy's reuse watcher tells the prefix cache that a device copy is gone.
 
 Spills are transactions: the resident block stays pinned until the worker reports the copy
 enqueued, the host block until it reports it completed.
@@ -114,7 +114,8 @@ class Coordinator(Admission, Scheduling):
       prefix_cache: the `PrefixCache` (`enabled`: prefix caching is on).
       spill_planner: the `SpillPlanner` (`max_spill_pages`: spills planned and not yet
         enqueued, at most `max(1, max_model_len // B)`; `num_in_flight`: transfers the worker
-        has not finished reporting).
+        has not finished reporting; `num_retries`: pages whose spill failed, spilled again by
+        the next `build_plan`).
       residency_policy: the `ResidencyPolicy` (`watermark`: free device blocks below which
         requests ask for hot regions, `max(hot_blocks, num_gpu_blocks // 10)`; `offload_all`).
       tables: the scheduler's `BlockTables` (`[max_num_reqs, max_pages]` src/res,

@@ -7,8 +7,11 @@ prefix up to the page's end). The cache
     copy-on-write: when the reusable prefix ends inside a page (the last prompt token is always
     recomputed), that page's shared host block is never written; its rows are restored into the
     request's private resident page instead (`PrefixHit.cow_source`);
+  - says what an admission with a hit allocates (`PrefixHit.admission_need`: the hit's whole
+    pages need no new host block, and no resident page unless hits are made resident);
   - publishes a request's pages once their host copies completed and every earlier page is
     durable too (`advance_and_publish`): the host pool's hash index names them from then on;
+    a finished request with copies in flight publishes once they complete (`detach`, `settle`);
   - indexes device blocks holding a copy of a published page (`copies`), for as long as the
     block is not reused (`forget_block`), and lets later prefix hits adopt them (`adopt`).
 

@@ -6,10 +6,11 @@ The residency semantics are written down in `docs/semantics.md`. In short:
     While the device pool has at least `watermark + room` free blocks
     (`watermark = max(hot_blocks, num_gpu_blocks // 10)`, `room` set by `request_room`),
     requests keep their pages pinned; below it they ask for a hot region (`hot_required`),
-    granted when the request is next scheduled (`grant_hot_region`). A request also asks once
-    it holds `ask_at_tokens = (usable blocks - hot_blocks) * B - 1` tokens: the last moment at
-    which, alone in the pool, its pages, the pages of its next two one-token steps and a hot
-    region still fit (the lone-request rule of `docs/semantics.md`);
+    granted when the request is next scheduled (`grant_hot_region`, counted in the blocks the
+    schedule needs: `schedule_need`). A request also asks once it holds
+    `ask_at_tokens = (usable blocks - hot_blocks) * B - 1` tokens (`capacity.ask_at_tokens`):
+    the last moment at which, alone in the pool, its pages, the pages of its next two
+    one-token steps and a hot region still fit (the lone-request rule of `docs/semantics.md`);
   - a request that can read from host unpins every clean page except its last
     `ACTIVE_TAIL_PAGES`: the block counts as free in the device pool yet is still read
     (`readers`) until the pool hands it to someone else; then the owner's `res` entry becomes

@@ -4,7 +4,8 @@ Every sealed page is written back to host eagerly (a *spill*), at most `max_spil
 (= `max(1, max_model_len // B)`) spills planned and not yet enqueued by the worker at a time.
 A page past the prompt gets its host block when it seals (`plan_spills` binds it); while the
 host pool is full it stays pinned and is retried on a later pass (`unbound`), and so is a page
-whose spill failed (`fail`: it stays dirty, keeps its host block, and is never marked clean). A
+whose spill failed (`fail`, then `spill_again`: it stays dirty, keeps its host block, is never
+marked clean, and `plan_retries` spills it again whether or not its request is scheduled). A
 partial prefix hit restores the shared page's rows into the request's private resident page
 (`plan_restore`).
 

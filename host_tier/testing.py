@@ -266,7 +266,7 @@ class SimulatedServer:
                 waited.append(rid)
         if (preempt_on_stall and waited and not scheduled
                 and not self.coord.has_pending_transfers() and not self.engine.num_in_flight
-                and not self.coord.num_spill_retries):  # the plan below spills those
+                and not self.coord.spill_planner.num_retries):  # the plan below spills those
             self.release(waited[-1], "preempt")
             self.counters["stall_preemptions"] += 1
         self._admitted_this_pass.clear()

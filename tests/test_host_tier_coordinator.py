@@ -97,7 +97,7 @@ def test_a_bad_report_changes_nothing():
 
 def test_spill_budget_caps_queued_write_backs_at_max_model_len_over_block_size():
     coord = make(max_model_len=16, num_host_blocks=30)  # budget: 16 // 4 = 4 queued spills
-    assert coord.max_spill_pages == 4
+    assert coord.spill_planner.max_spill_pages == 4
     coord.admit("a", list(range(12)))
     coord.admit("b", list(range(100, 112)))
     plan = coord.build_plan()
@@ -115,7 +115,7 @@ def test_spill_budget_caps_queued_write_backs_at_max_model_len_over_block_size()
 
 def test_below_the_watermark_a_request_asks_for_a_hot_region_granted_on_its_next_schedule():
     coord = make(num_gpu_blocks=16)  # 15 usable, watermark max(2, 16 // 10) = 2
-    assert coord.watermark == 2
+    assert coord.residency_policy.watermark == 2
     coord.admit("a", list(range(24)))  # 6 pages
     coord.admit("b", list(range(100, 128)))  # 7 pages: 2 free left
     complete_all(coord, coord.build_plan())
@@ -478,7 +478,8 @@ def test_from_config_takes_sizes_from_a_hisparse_config():
     coord = Coordinator.from_config(cfg, num_gpu_blocks=32, num_host_blocks=64,
                                     max_model_len=128)
     assert (coord.block_size, coord.hot_blocks, coord.tables.max_num_reqs) == (4, 4, 3)
-    assert coord.watermark == max(4, 32 // 10) and coord.max_spill_pages == 32
+    assert coord.residency_policy.watermark == max(4, 32 // 10)
+    assert coord.spill_planner.max_spill_pages == 32
 
 
 def test_request_room_moves_running_requests_to_hot_regions_and_unpins_their_pages():
@@ -528,7 +529,7 @@ def test_from_config_reads_every_size_from_the_sizes_object():
     coord = Coordinator.from_config(_sizes(), offload_all=True)
     assert (coord.block_size, coord.hot_blocks, coord.tables.max_num_reqs) == (B, 2, 3)
     assert (coord.device_pool.num_blocks, coord.host_pool.num_blocks) == (24, 30)
-    assert (coord.max_model_len, coord.max_pages) == (40, 10) and coord.offload_all
+    assert (coord.max_model_len, coord.max_pages) == (40, 10) and coord.residency_policy.offload_all
     # The keyword sizes of the old signature still win over the config.
     coord = Coordinator.from_config(_sizes(max_model_len=None), num_gpu_blocks=16,
                                     max_model_len=8)
@@ -559,17 +560,17 @@ def _busy_coordinator():
     decode(coord, "b", 2)
     coord.admit("c", list(range(100, 106)))
     coord.build_plan()  # c's page 0 spill is planned, not enqueued
-    assert coord.view("b").unpinned_pages and coord._prefix.copies
-    assert coord._planner.num_unenqueued == 1
+    assert coord.view("b").unpinned_pages and coord.prefix_cache.copies
+    assert coord.spill_planner.num_unenqueued == 1
     coord.check_invariants()
     return coord
 
 
 @pytest.mark.parametrize("corrupt,message", [
-    (lambda c: c._prefix.copy_of_block.clear(), "device copy index disagrees"),
-    (lambda c: c._residency.readers.clear(), "is not registered as a reader"),
-    (lambda c: setattr(c._planner, "num_unenqueued", 0), "unenqueued spill count drifted"),
-    (lambda c: c._planner.spills.clear(), "has no matching spill"),
+    (lambda c: c.prefix_cache.copy_of_block.clear(), "device copy index disagrees"),
+    (lambda c: c.residency_policy.readers.clear(), "is not registered as a reader"),
+    (lambda c: setattr(c.spill_planner, "num_unenqueued", 0), "unenqueued spill count drifted"),
+    (lambda c: c.spill_planner.spills.clear(), "has no matching spill"),
     (lambda c: c._requests["b"].pinned_clean.clear(), "pinned_clean out of date"),
     (lambda c: c._free_rows.append(c._requests["b"].state_row), "a used state row is also free"),
 ])

@@ -91,7 +91,7 @@ def test_fast_paths_plans_and_state_equal_the_general_paths(seed, num_actions):
     def deliver():
         cut = rng.randrange(len(pending) + 1)
         done, pending[:] = pending[:cut], pending[cut:]
-        spills = [t for t in done if not fast._planner.is_restore(t)]
+        spills = [t for t in done if not fast.spill_planner.is_restore(t)]
         for c in both:
             c.on_transfers(enqueued=done, completed=spills)
 

@@ -151,7 +151,7 @@ def test_abort_anywhere_in_a_busy_coordinator_leaks_nothing(seed, actions):
         admitted_now.clear()
 
     def abort(rid):
-        doomed.update({tid: s.host_block for tid, s in coord._planner.spills.items()
+        doomed.update({tid: s.host_block for tid, s in coord.spill_planner.spills.items()
                        if s.request.request_id == rid})
         coord.abort(rid)
 
@@ -208,12 +208,12 @@ def test_a_failed_spill_releases_its_pins_stays_dirty_and_is_spilled_again():
     assert dev.ref_count(s1.device_block) == 1 and host.ref_count(s1.host_block) == 1
     a = coord.view("a")
     assert a.pending_pages == {0, 2} and a.valid_pages == frozenset()
-    assert coord.stats["failed_spills"] == 1 and coord.num_spill_retries == 1
+    assert coord.stats["failed_spills"] == 1 and coord.spill_planner.num_retries == 1
     coord.on_transfers(completed=[s0.transfer_id])
     assert set(host.published_blocks()) == {s0.host_block}  # page 1 blocks the prefix
     # A failure after the enqueue notice (here in the same report) is accepted too.
     coord.on_transfers(enqueued=[s2.transfer_id], failed=[s2.transfer_id])
-    assert coord.num_spill_retries == 2 and coord.view("a").valid_pages == {0}
+    assert coord.spill_planner.num_retries == 2 and coord.view("a").valid_pages == {0}
     assert set(host.published_blocks()) == {s0.host_block}
     coord.check_invariants()
     # The next plan spills both pages again, into the same host blocks, although "a" is not
@@ -222,7 +222,7 @@ def test_a_failed_spill_releases_its_pins_stays_dirty_and_is_spilled_again():
     assert retry.writes == ()
     assert [(s.device_block, s.host_block) for s in retry.spills] == [
         (s1.device_block, s1.host_block), (s2.device_block, s2.host_block)]
-    assert coord.num_spill_retries == 0 and coord.view("a").pending_pages == {1, 2}
+    assert coord.spill_planner.num_retries == 0 and coord.view("a").pending_pages == {1, 2}
     complete_all(coord, retry)
     assert coord.view("a").valid_pages == {0, 1, 2}
     assert set(host.published_blocks()) == {s0.host_block, s1.host_block, s2.host_block}
@@ -239,7 +239,7 @@ def test_a_failed_spill_of_a_request_that_left_is_dropped():
     coord.finish("a")  # publications wait for the copies
     coord.on_transfers(enqueued=[t0, t1], completed=[t0], failed=[t1])
     assert set(coord.host_pool.published_blocks()) == {host_blocks[0]}  # page 1 never durable
-    assert coord.num_spill_retries == 0
+    assert coord.spill_planner.num_retries == 0
     assert_all_free(coord)
     coord.admit("b", list(range(12)))
     plan = coord.build_plan()
@@ -331,7 +331,7 @@ def test_the_issue_repro_finishes_and_stalls_without_the_rule():
     assert drive_lone(coord, 32, 62, random.Random(1)) is None
     assert coord.stats["hot_grants"] == 1 and coord.stats["lost_pages"] > 0
     old = Coordinator(**sizes)
-    old._residency.ask_at_tokens = 10**9  # only the watermark: the behaviour of the issue
+    old.residency_policy.ask_at_tokens = 10**9  # only the watermark: the behaviour of the issue
     # Page 11 opened with token 44 leaves 7 free blocks: it asks, and the grant never fits (the
     # engine had sampled 14 tokens then: one after the prefill, 13 written since).
     assert drive_lone(old, 32, 62, random.Random(1)) == "stall at 45"
@@ -506,7 +506,7 @@ def test_a_request_asks_by_its_own_pages_even_above_the_watermark():
     (15 - 2) * 4 - 1 = 51 tokens, although 2 blocks (the watermark) are still free: one token
     later, opening page 13, the grant would no longer fit."""
     coord = make(max_model_len=64, num_host_blocks=40)
-    assert coord.watermark == 2
+    assert coord.residency_policy.watermark == 2
     coord.admit("a", list(range(44)))
     complete_all(coord, coord.build_plan())
     for _ in range(50 - 44):
@@ -517,7 +517,8 @@ def test_a_request_asks_by_its_own_pages_even_above_the_watermark():
     complete_all(coord, coord.build_plan())
     a = coord.view("a")
     assert a.num_computed_tokens == 51 and a.hot_required and not a.hot_blocks
-    assert coord.device_pool.num_free == 2 == coord.watermark  # not under the watermark
+    # not under the watermark
+    assert coord.device_pool.num_free == 2 == coord.residency_policy.watermark
     assert coord.schedule("a", new_token_ids=[1]) is None  # granted: 2 blocks, no new page
     complete_all(coord, coord.build_plan())
     for _ in range(64 - 52):

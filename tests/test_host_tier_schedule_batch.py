@@ -49,7 +49,8 @@ def state(coord):
         {g: getattr(full, g).values.tolist() for g in GROUPS},
         [(pool.num_free, list(pool._released), pool._next_fresh, sorted(pool._fresh_taken),
           dict(pool._ref)) for pool in (coord.device_pool, coord.host_pool)],
-        coord.num_dirty_sealed_pages, coord.num_spill_retries, coord.num_in_flight_transfers,
+        coord.num_dirty_sealed_pages, coord.spill_planner.num_retries,
+        coord.spill_planner.num_in_flight,
     )
 
 

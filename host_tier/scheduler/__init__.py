@@ -3,8 +3,10 @@
   - `block_pool`: `BlockPool`, block ids with reference counts and an eviction-ordered queue;
   - `block_tables`: `BlockTables`, the numpy copy of the per-request `src`/`res`/`hot` tables;
   - `records`: the request / spill / restore records and the result types;
-  - `prefix_cache`, `spill_planner`, `residency`, `invariants`: the coordinator's parts;
-  - `coordinator`: `Coordinator`, which composes them and builds one `StepPlan` per step.
+  - `prefix_cache`, `spill_planner`, `residency_policy`, `capacity`, `invariants`: the
+    coordinator's parts;
+  - `coordinator`: `Coordinator`, which composes them and builds one `StepPlan` per step (its
+    calls are grouped in `admission` and `scheduling`).
 
 Importing this package loads no jax.
 """

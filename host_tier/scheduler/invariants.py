@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
 from host_tier.scheduler.prefix_cache import PrefixCache
 from host_tier.scheduler.records import ACTIVE_TAIL_PAGES, RequestRecord
-from host_tier.scheduler.residency import ResidencyPolicy
+from host_tier.scheduler.residency_policy import ResidencyPolicy
 from host_tier.scheduler.spill_planner import SpillPlanner
 
 

@@ -7,8 +7,11 @@ prefix up to the page's end). The cache
     copy-on-write: when the reusable prefix ends inside a page (the last prompt token is always
     recomputed), that page's shared host block is never written; its rows are restored into the
     request's private resident page instead (`PrefixHit.cow_source`);
+  - says what an admission with a hit allocates (`PrefixHit.admission_need`: the hit's whole
+    pages need no new host block, and no resident page unless hits are made resident);
   - publishes a request's pages once their host copies completed and every earlier page is
     durable too (`advance_and_publish`): the host pool's hash index names them from then on;
+    a finished request with copies in flight publishes once they complete (`detach`, `settle`);
   - indexes device blocks holding a copy of a published page (`copies`), for as long as the
     block is not reused (`forget_block`), and lets later prefix hits adopt them (`adopt`).
 
@@ -23,9 +26,11 @@ import collections
 import dataclasses
 import hashlib
 from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
 from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
 from host_tier.scheduler.records import RequestRecord
+from host_tier.sizes import cdiv
 
 
 def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -38,6 +43,24 @@ def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array.array("q", tokens).tobytes())
     return h.digest()
+
+
+class AdmissionNeed(NamedTuple):
+    """What an admission allocates (`PrefixHit.admission_need`).
+
+    Attributes:
+      resident_pages: new resident pages of the first chunk (past the hit's whole pages).
+      hot_region: whether it takes a hot region (a staged hit reads its pages from host).
+      device_blocks: device blocks it allocates: the new pages, the hot region, and with
+        resident hits a block per hit page (an adopted device copy needs none: an upper
+        bound).
+      host_blocks: host blocks it allocates: one per prompt page that is not a hit page.
+    """
+
+    resident_pages: int
+    hot_region: bool
+    device_blocks: int
+    host_blocks: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +88,19 @@ class PrefixHit:
         referenced by its restore until the worker enqueues it)."""
         return self.blocks[:self.full_pages] + ([self.cow_source] if self.cow_source else [])
 
+    def admission_need(self, num_tokens: int, end: int, *, block_size: int, hot_blocks: int,
+                       resident_hits: bool) -> AdmissionNeed:
+        """What admitting a prompt of `num_tokens` tokens with this hit allocates when its
+        first chunk ends at token `end` (`num_cached < end <= num_tokens`; `end = num_tokens`:
+        the blocks the request holds once its whole prompt is in). The hit's whole pages keep
+        their host blocks; they stay host-only behind a hot region, or with `resident_hits` each
+        gets a resident block."""
+        full = self.full_pages
+        new_pages = cdiv(end, block_size) - full
+        hot = full > 0 and not resident_hits  # a prefix hit reads host pages
+        device = new_pages + (hot_blocks if hot else 0) + (full if resident_hits else 0)
+        return AdmissionNeed(new_pages, hot, device, cdiv(num_tokens, block_size) - full)
+
 
 class PrefixCache:
     """Page hashing, prefix lookup, publication and the index of device copies.
@@ -90,6 +126,9 @@ class PrefixCache:
         # Called as on_publish(request_id, page, page_hash) when a page of a request is
         # published (its hash now names its host block); None: nobody listens.
         self.on_publish: Callable[[Hashable, int, bytes], None] | None = None
+        # Finished requests whose durable prefix is published once their copies in flight
+        # complete (`detach`, `settle`); they hold the host blocks of its full pages.
+        self.detached: set[RequestRecord] = set()
 
     def match(self, tokens: Sequence[int]) -> PrefixHit:
         """The longest published prefix of `tokens` (a non-empty prompt), chain by chain."""
@@ -157,6 +196,23 @@ class PrefixCache:
                 self.copy_of_block[block] = h
             self.stats["published_pages"] += 1
         r.num_published = max(r.num_published, limit)
+
+    def detach(self, r: RequestRecord, num_full: int) -> None:
+        """Finished request `r` has copies in flight: its durable prefix among its first
+        `num_full` pages is published once they complete (`settle`); until then it keeps those
+        pages' host blocks, and releases the rest now."""
+        r.detached_pages = num_full
+        self.detached.add(r)
+        self.host_pool.free(reversed(r.host_blocks[num_full:]))
+
+    def settle(self, r: RequestRecord) -> None:
+        """A copy of request `r`, which left, ended: after a detached request's last one, its
+        durable prefix is published and its host blocks are released."""
+        if r.detached_pages >= 0 and not r.pending:
+            self.advance_and_publish(r, record_copies=False)
+            self.host_pool.free(reversed(r.host_blocks[:r.detached_pages]))
+            r.detached_pages = -1
+            self.detached.discard(r)
 
     def forget_block(self, block: int) -> None:
         """Device block `block` is handed out again: it no longer holds a published page."""

@@ -13,8 +13,12 @@ from __future__ import annotations
 import array
 import dataclasses
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from host_tier.sizes import is_int
+
+if TYPE_CHECKING:
+    from host_tier.scheduler.block_tables import BlockTables
 
 ACTIVE_TAIL_PAGES = 2
 """A request's last pages that are never unpinned: an in-flight step may still write them."""
@@ -189,6 +193,18 @@ class PassLog:
         for changed in self.entries.values():
             changed.pop(r, None)
         self.invalidations.pop(r.state_row, None)
+
+    def write_tables(self, tables: BlockTables) -> None:
+        """Writes the rows and entries the pass changed into the scheduler's `tables`."""
+        for r in self.touched:
+            tables.set_row("src", r.state_row, r.host_blocks)
+            tables.set_row("res", r.state_row, r.res_blocks)
+            tables.set_row("hot", r.state_row, r.hot)
+        for group, changed in self.entries.items():  # only these entries changed
+            for r, pages in changed.items():
+                if r not in self.touched:
+                    tables.set_entries(group, r.state_row, pages,
+                                       r.host_blocks if group == "src" else r.res_blocks)
 
     def clear(self) -> None:
         self.touched = set()

@@ -4,7 +4,8 @@ Every sealed page is written back to host eagerly (a *spill*), at most `max_spil
 (= `max(1, max_model_len // B)`) spills planned and not yet enqueued by the worker at a time.
 A page past the prompt gets its host block when it seals (`plan_spills` binds it); while the
 host pool is full it stays pinned and is retried on a later pass (`unbound`), and so is a page
-whose spill failed (`fail`: it stays dirty, keeps its host block, and is never marked clean). A
+whose spill failed (`fail`, then `spill_again`: it stays dirty, keeps its host block, is never
+marked clean, and `plan_retries` spills it again whether or not its request is scheduled). A
 partial prefix hit restores the shared page's rows into the request's private resident page
 (`plan_restore`).
 
@@ -61,6 +62,8 @@ class SpillPlanner:
         self.restores: dict[int, RestoreRecord] = {}
         self.num_unenqueued = 0
         self.awaiting_enqueue_notice: set[int] = set()  # completed before their enqueue notice
+        # Running requests with pages whose spill failed (`spill_again`), in failure order.
+        self.retry: dict[RequestRecord, None] = {}
         self._next_transfer_id = itertools.count()
         # The open pass's plan entries.
         self.pass_restores: list[PageRestore] = []
@@ -75,6 +78,15 @@ class SpillPlanner:
 
     def has_pending(self) -> bool:
         return bool(self.spills or self.restores or self.awaiting_enqueue_notice)
+
+    @property
+    def num_retries(self) -> int:
+        """Pages whose spill failed, to be spilled again by the next `Coordinator.build_plan`
+        (whether or not their request is scheduled). Until then they stay dirty and pinned: a
+        caller with nothing to schedule should still build and execute a plan while this is > 0
+        and no copy is in flight."""
+        return sum(sum(1 for p in r.unbound if r.host_blocks[p] != NULL_BLOCK)
+                   for r in self.retry)
 
     @property
     def budget(self) -> int:
@@ -120,6 +132,22 @@ class SpillPlanner:
             self.pass_spills.append(PageSpill(transfer_id, device_block, host_block))
             planned += 1
         self.stats["spills"] += planned
+        return planned
+
+    def spill_again(self, r: RequestRecord, page: int) -> None:
+        """The spill of running request `r`'s page failed: the page keeps its host block and is
+        spilled again by `plan_retries`."""
+        r.unbound.add(page)
+        self.retry[r] = None
+
+    def plan_retries(self, budget: int) -> int:
+        """Spills again the pages whose spill failed, of requests scheduled in the pass or not,
+        at most `budget`; returns the number of spills planned."""
+        planned = 0
+        for r in list(self.retry):
+            planned += self.plan_spills(r, budget - planned)
+            if not any(r.host_blocks[p] != NULL_BLOCK for p in r.unbound):
+                del self.retry[r]
         return planned
 
     def plan_restore(self, r: RequestRecord, host_block: int, device_block: int,
@@ -180,6 +208,27 @@ class SpillPlanner:
                 raise ValueError(
                     f"on_transfers: completed transfer id {tid} is not a pending spill "
                     "(unknown, a restore, or already completed)")
+
+    def apply_report(self, enqueued: Sequence[int], completed: Sequence[int],
+                     failed: Sequence[int], *, page_clean: Callable[[SpillRecord], None],
+                     spill_failed: Callable[[SpillRecord], None],
+                     restore_failed: Callable[[RestoreRecord], None]) -> None:
+        """Checks one report (`check_report`), then applies it: failed restores first (so that
+        a spill completed in the same report publishes nothing of their requests), then the
+        enqueued ids, the completed ids (`complete`) and the failed spills (`fail`)."""
+        self.check_report(enqueued, completed, failed)
+        failed_spills = []
+        for tid in failed:
+            if tid in self.restores:
+                self.fail(tid, restore_failed=restore_failed, spill_failed=spill_failed)
+            else:
+                failed_spills.append(tid)
+        for tid in enqueued:
+            self.enqueued(tid)
+        for tid in completed:
+            self.complete(tid, page_clean)
+        for tid in failed_spills:
+            self.fail(tid, restore_failed=restore_failed, spill_failed=spill_failed)
 
     def enqueued(self, tid: int) -> None:
         """The worker enqueued transfer `tid` (checked): a restore releases its shared host

@@ -6,10 +6,11 @@ The residency semantics are written down in `docs/semantics.md`. In short:
     While the device pool has at least `watermark + room` free blocks
     (`watermark = max(hot_blocks, num_gpu_blocks // 10)`, `room` set by `request_room`),
     requests keep their pages pinned; below it they ask for a hot region (`hot_required`),
-    granted when the request is next scheduled (`grant_hot_region`). A request also asks once
-    it holds `ask_at_tokens = (usable blocks - hot_blocks) * B - 1` tokens: the last moment at
-    which, alone in the pool, its pages, the pages of its next two one-token steps and a hot
-    region still fit (the lone-request rule of `docs/semantics.md`);
+    granted when the request is next scheduled (`grant_hot_region`, counted in the blocks the
+    schedule needs: `schedule_need`). A request also asks once it holds
+    `ask_at_tokens = (usable blocks - hot_blocks) * B - 1` tokens (`capacity.ask_at_tokens`):
+    the last moment at which, alone in the pool, its pages, the pages of its next two
+    one-token steps and a hot region still fit (the lone-request rule of `docs/semantics.md`);
   - a request that can read from host unpins every clean page except its last
     `ACTIVE_TAIL_PAGES`: the block counts as free in the device pool yet is still read
     (`readers`) until the pool hands it to someone else; then the owner's `res` entry becomes
@@ -34,8 +35,9 @@ import collections
 from collections.abc import Callable
 
 from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
+from host_tier.scheduler.capacity import ask_at_tokens
 from host_tier.scheduler.records import ACTIVE_TAIL_PAGES, PassLog, RequestRecord
-from host_tier.sizes import is_int
+from host_tier.sizes import cdiv, is_int
 
 
 class ResidencyPolicy:
@@ -57,11 +59,13 @@ class ResidencyPolicy:
                  forget_copy: Callable[[int], None]) -> None:
         self.device_pool = device_pool
         self.hot_blocks = hot_blocks
+        self.block_size = block_size
         self.offload_all = bool(offload_all)
         self.watermark = max(hot_blocks, device_pool.num_blocks // 10)
         # A request holding this many computed tokens asks for a hot region whatever the free
         # count: cdiv(tokens + 2, B) + hot_blocks would exceed the usable blocks.
-        self.ask_at_tokens = (device_pool.num_usable - hot_blocks) * block_size - 1
+        self.ask_at_tokens = ask_at_tokens(num_usable=device_pool.num_usable,
+                                           hot_blocks=hot_blocks, block_size=block_size)
         self.room = 0  # device blocks a waiting admission asked for (`request_room`)
         self.log = log
         self.stats = stats
@@ -100,6 +104,13 @@ class ResidencyPolicy:
         for p in sorted(r.pinned_clean, reverse=True):
             if p < tail_start:
                 self.unpin_page(r, p)
+
+    def schedule_need(self, r: RequestRecord, page_end: int) -> tuple[int, int]:
+        """(new pages, device blocks) for `r` to hold rows `[0, page_end)`: the resident pages
+        it opens, and the blocks they take with the hot region granted at the same time (one is
+        asked for and not granted yet)."""
+        new_pages = max(cdiv(page_end, self.block_size) - len(r.res_blocks), 0)
+        return new_pages, new_pages + (self.hot_blocks if r.hot_required and not r.hot else 0)
 
     def grant_hot_region(self, r: RequestRecord) -> None:
         """Gives `r` its hot region now (the caller checked that the blocks are free)."""

@@ -120,9 +120,8 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
         all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
         topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
         kv_format=kv_format, position_map=not getattr(args, "no_position_map", False),
-        copy_stream=getattr(args, "copy_stream", None),
         copy_programs=getattr(args, "copy_programs", None),
-        copy_with_attention=getattr(args, "copy_with_attention", None),
+        copy_with_attention=getattr(args, "copy_with_attention", True),
         async_scheduling=getattr(args, "async_scheduling", False), **(extra or {}))
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
@@ -458,21 +457,16 @@ def _formats(text: str) -> list[str]:
 
 
 def add_copy_flags(p: argparse.ArgumentParser) -> None:
-    """The engine's copy options (--copy-stream, --copy-programs, --copy-with-attention), read
-    by `make_engine`'s EngineConfig; shared with `bench.profile_step`."""
-    p.add_argument("--copy-stream", type=int, default=None,
-                   help="EngineConfig.copy_stream: look each index group after the first up "
-                        "ahead, its copies from host on this GPU stream during the previous "
-                        "group's layers (default: the main stream, in model order)")
+    """The engine's copy options (--copy-programs, --copy-with-attention), read by
+    `make_engine`'s EngineConfig; shared with `bench.profile_step`."""
     p.add_argument("--copy-programs", type=int, default=None,
                    help="EngineConfig.copy_programs: at most this many GPU programs move a "
                         "step's copies from host (default: a program per chunk of misses)")
     p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
-                   default=None,
+                   default=True,
                    help="EngineConfig.copy_with_attention: each index group after the first "
                         "looked up ahead, its copies from host in the launch of the previous "
-                        "group's first attention (default: the library's, on unless "
-                        "--copy-stream)")
+                        "group's first attention")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,11 +569,8 @@ def main(argv: list[str] | None = None) -> int:
               "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
               "num_layers": cfg.num_layers, "index_group_size": cfg.index_group_size,
               "host_pool_layout": args.host_pool_layout,
-              "position_map": not args.no_position_map, "copy_stream": args.copy_stream,
-              "copy_programs": args.copy_programs,
-              "copy_with_attention": EngineConfig(  # the engines' value (the default's rule)
-                  copy_stream=args.copy_stream,
-                  copy_with_attention=args.copy_with_attention).copy_with_attention,
+              "position_map": not args.no_position_map, "copy_programs": args.copy_programs,
+              "copy_with_attention": args.copy_with_attention,
               "topk_source": ("the model's indexer over synthetic unit-normal index keys"
                               if args.indexer else f"trace {args.trace}" if args.trace
                               else "drift model"),

@@ -21,10 +21,7 @@
 #        (the async profile at 256 for .baseline/ and for this tree), e2e_repeat1_async (the
 #        three pairs at 1 request with asynchronous scheduling), ncu (Nsight Compute profiles
 #        of the attention, resolve and gather kernels: bench/ncu_kernels.py), attention_splits
-#        (the attention kernel's device time at N = 1-8 against its K split count), copy_stream
-#        (EngineConfig.copy_stream: its tests compiled, the async profile at 256 without and with),
-#        e2e_copy_stream (a HiSparse / all-resident pair at 1 and 256 with it), stream_overlap
-#        (bench/stream_overlap.py: the copy-stream call's schedule against its staging size),
+#        (the attention kernel's device time at N = 1-8 against its K split count),
 #        beside (EngineConfig.copy_with_attention: tests, the kernel benchmark, profiles at 256
 #        with and without, e2e pairs with it), ab_async (alternating e2e pairs at 1 and 256 for
 #        .baseline/ and this tree, async; this tree's profiles at 1 and 256; pairs at 1 request),
@@ -95,34 +92,6 @@ run_step() {  # name, time limit in s, command...
           run_step profile_before 220 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.profile_step ${pargs[*]} --output $OUT/profile_before.json"
         fi
         run_step profile_after 220 python3 -m bench.profile_step "${pargs[@]}" --output "${PROFILE_COMPARE_OUT:-bench/results/profile_step-gpu-hisparse-256-async-after.json}" ;;
-      # Lookups made ahead on a second GPU stream (EngineConfig.copy_stream): the exactness
-      # tests compiled, the async step profile at 256 without and with it (COPY_PROFILES; the
-      # stream run's compiled hot step goes to $OUT and is summarised by bench/xla_schedule.py).
-      copy_stream)
-        tag=${COPY_TAG:-copy}
-        HISPARSE_EXAMPLES=${HISPARSE_EXAMPLES:-10} run_step copy_stream_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py tests/test_engine.py tests/ops/test_gather_compact.py -k "copy_stream or stream_stage or ahead"
-        for run in ${COPY_PROFILES:-main stream1}; do
-          # main: copies on the main stream; main-pP: moved by at most P programs.
-          if [ "${run%%-*}" = main ]; then
-            progs=${run#main}; progs=${progs#-p}
-            run_step "profile_copy_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --no-copy-with-attention ${progs:+--copy-programs $progs} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
-            continue
-          fi
-          # stream1: copies on stream 1; stream1-pP: and at most P programs moving them.
-          progs=${run#stream1}; progs=${progs#-p}
-          rm -rf /tmp/xla_dump_stream1
-          XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_stream1 --xla_dump_hlo_module_re=.*packed_step.*" \
-            run_step "profile_copy_$run" 200 python3 -m bench.profile_step --mode hisparse --concurrency 256 --async-scheduling --copy-stream 1 ${progs:+--copy-programs $progs} --output "bench/results/profile_step-gpu-hisparse-256-async-$tag-$run.json"
-          run_step copy_stream_schedule 60 python3 -m bench.xla_schedule /tmp/xla_dump_stream1 --output "bench/results/xla_schedule-packed_step-$tag-$run.txt"
-          cp "$(ls -S /tmp/xla_dump_stream1/*packed_step*after_optimizations.txt | head -n 1)" "$OUT/hot_step-$tag-$run.hlo.txt"
-        done ;;
-      # Whether XLA overlaps a copy-stream call with other work as the staging buffer grows
-      # (4 / 64 / 256 / 689 batch rows of 108 misses: 0.5 / 7.6 / 30 / 82 MiB; the engine stages
-      # 75 MiB at 256 requests).
-      # OVERLAP_PROGRAMS: copy_programs values of the stream case (grid: a program per chunk).
-      stream_overlap) run_step stream_overlap 300 python3 -m bench.stream_overlap --n "${OVERLAP_N:-4,64,256,689}" --programs "${OVERLAP_PROGRAMS:-grid}" --dump "$OUT/stream_overlap_hlo" ;;
-      # COPY_PROGRAMS: EngineConfig.copy_programs of the HiSparse runs (default: the grid).
-      e2e_copy_stream) run_step e2e_copy_stream 240 python3 -m bench.e2e_decode --async-scheduling --copy-stream 1 ${COPY_PROGRAMS:+--copy-programs $COPY_PROGRAMS} --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-async-${COPY_TAG:-copy}-stream1${COPY_PROGRAMS:+-p$COPY_PROGRAMS}-gpu.json" ;;
       # Copies from host in the launch of another index group's attention
       # (EngineConfig.copy_with_attention): its tests compiled, the kernel benchmark, the async
       # profile at 256 with and without it (BESIDE_PROFILES: beside, main; beside-pP: P copy

@@ -515,7 +515,6 @@ def main(argv: list[str] | None = None) -> int:
                        "turnover": args.turnover, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling,
                        "position_map": not args.no_position_map,
-                       "copy_stream": args.copy_stream,
                        "copy_programs": args.copy_programs,
                        "copy_with_attention": engine.config.copy_with_attention, **sizes},
             "ramp": ramp, "host": host,

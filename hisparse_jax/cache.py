@@ -51,12 +51,9 @@ import jax.numpy as jnp
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.ops import (
-    StagedCopies,
+    _registry,
     gather_compact_group,
-    gather_compact_group_finish,
-    gather_compact_group_start,
     invalidate_written_rows,
-    registered_backends,
     resolve_residency,
     sparse_mla_decode,
     sparse_mla_decode_with_copies,
@@ -181,15 +178,13 @@ class Lookup:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingLookup:
-    """Result of `HiSparseKVCache.lookup_ahead`: a lookup whose copies from host may still be
-    crossing PCIe on the copy stream. `HiSparseKVCache.land` completes it and returns its
-    `Lookup`; attend only through that.
+    """Result of `HiSparseKVCache.lookup_ahead`: a lookup whose copies from host may not have
+    run yet. `HiSparseKVCache.land` completes it and returns its `Lookup`; attend only through
+    that.
 
     Attributes:
       group: the index group looked up (static).
       found: the `Lookup` (its rows are valid in the caches once landed).
-      copies: the `StagedCopies` in flight, or None when nothing crosses on the copy stream
-        (no copy stream, a residency that reads no host rows, or the per-row ablation).
       plan: with `HiSparseKVCache.copy_with_attention`, the copies not yet run, as the swap
         plan (swap_src, swap_dst, swap_counts): `HiSparseKVCache.attend` runs them beside
         an attention, or `land` runs them; None once run (or with nothing to copy).
@@ -197,14 +192,7 @@ class PendingLookup:
 
     group: int = dataclasses.field(metadata=_STATIC)
     found: Lookup
-    copies: StagedCopies | None = None
     plan: tuple[jax.Array, jax.Array, jax.Array] | None = None
-
-    def precede(self, x):
-        """`x` (any pytree of arrays), tied to this lookup's resolve: the work that reads the
-        returned arrays comes after the resolve, so the copies (which start as soon as the
-        resolve is done) run during that work rather than after it."""
-        return x if self.copies is None else self.copies.precede(x)
 
 
 def layers_per_pool_array(num_arrays: int, num_layers: int, group_size: int) -> int:
@@ -305,18 +293,10 @@ class HiSparseKVCache:
       host_rows: rows of one layer's host pool (static); host rows >= it read as missing.
       ops_backend: backend of the data-plane ops (static; None: picked per platform).
       kv_format: the stored row format, "bf16" or "fp8_ds_mla" (static).
-      copy_stream: None (default): every lookup's copies from host run on the main GPU
-        stream. An int s >= 1 (static; experimental): the copies of a `lookup_ahead` cross
-        PCIe on GPU stream s, staged for up to top_k // 8 misses per batch row
-        (`gather_compact_group_start`), while the work traced before its `land` runs on the
-        main stream: a model whose top-k is known before the layers run (an external
-        source) looks group g + 1 up ahead and lands it after group g's layers. Same
-        results; ignored off the GPU. In the engine's step XLA does not overlap the copies
-        yet (`docs/host_pool.md`).
       copy_programs: None (default), or an int P >= 1 (static): at most P GPU programs move
         a lookup's copies from host (`gather_compact_group`), each looping over its share,
         instead of a program per chunk of every row's plan. Same results.
-      copy_with_attention: False (default), or True (static; not with a copy_stream): a
+      copy_with_attention: False (default), or True (static): a
         `lookup_ahead` resolves but copies nothing; `attend` with its `PendingLookup` runs
         the copies in the attention's own launch (`sparse_mla_decode_with_copies`, by
         copy_programs programs, 32 when None) beside another layer's attention, so the PCIe
@@ -332,34 +312,28 @@ class HiSparseKVCache:
     host_rows: int = dataclasses.field(default=0, metadata=_STATIC)
     ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
     kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
-    copy_stream: int | None = dataclasses.field(default=None, metadata=_STATIC)
     copy_programs: int | None = dataclasses.field(default=None, metadata=_STATIC)
     copy_with_attention: bool = dataclasses.field(default=False, metadata=_STATIC)
 
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
                index_group_size: int = 1, ops_backend: str | None = None,
-               copy_stream: int | None = None, copy_programs: int | None = None,
-               copy_with_attention: bool = False) -> HiSparseKVCache:
+               copy_programs: int | None = None, copy_with_attention: bool = False
+               ) -> HiSparseKVCache:
         """Zero caches [cfg.num_gpu_blocks, B, cfg.storage_width] (cfg.storage_dtype) per
         layer and an empty hot state per index group; host_rows and kv_format from cfg (no
         host pool: host_rows 0).
 
         Raises:
-          ValueError: copy_stream or copy_programs is neither None nor an int >= 1, or
-            copy_with_attention is not a bool or is True with a copy_stream.
+          ValueError: copy_programs is neither None nor an int >= 1, or
+            copy_with_attention is not a bool.
         """
-        for name, value in (("copy_stream", copy_stream), ("copy_programs", copy_programs)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}"
-                                 + (" (a GPU stream other than the main one)"
-                                    if name == "copy_stream" else ""))
+        if copy_programs is not None and (not isinstance(copy_programs, int)
+                                          or isinstance(copy_programs, bool)
+                                          or copy_programs < 1):
+            raise ValueError(f"copy_programs must be None or an int >= 1, got {copy_programs!r}")
         if not isinstance(copy_with_attention, bool):
             raise ValueError(f"copy_with_attention must be a bool, got {copy_with_attention!r}")
-        if copy_with_attention and copy_stream is not None:
-            raise ValueError("copy_with_attention runs the copies in an attention's launch; it "
-                             f"takes no copy_stream (got copy_stream={copy_stream})")
         num_blocks = cfg.require("num_gpu_blocks")
         shape = (num_blocks, cfg.block_size, cfg.storage_width)
         return cls(
@@ -367,8 +341,7 @@ class HiSparseKVCache:
             hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
             residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
             host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format,
-            copy_stream=copy_stream, copy_programs=copy_programs,
-            copy_with_attention=copy_with_attention)
+            copy_programs=copy_programs, copy_with_attention=copy_with_attention)
 
     @property
     def num_layers(self) -> int:
@@ -412,37 +385,25 @@ class HiSparseKVCache:
 
     def lookup_ahead(self, group: int, topk: jax.Array, batch: CacheBatch
                      ) -> tuple[HiSparseKVCache, PendingLookup]:
-        """`lookup` split in two, so that the copies from host overlap other work: resolves
-        now (the hot state moves now) and, with a `copy_stream`, starts the copies of the
-        first misses on that stream; `land` completes the lookup and returns its `Lookup`.
-        Trace the overlapped work between the two, and pass its inputs through
-        `PendingLookup.precede` and its outputs as `land(after=...)`. That work must not
-        read this group's caches. Without a copy stream the copies run at once, as in
-        `lookup` (off the GPU the stream is ignored), except with `copy_with_attention`,
-        which leaves them to `attend` or `land`; the results are the same either way."""
-        cache, found = self.residency.lookup(
-            self, group, topk, batch,
-            ahead=self.copy_stream is not None or self.copy_with_attention)
+        """`lookup` split in two, so that the copies from host may overlap other work:
+        resolves now (the hot state moves now); `land` completes the lookup and returns its
+        `Lookup`. With `copy_with_attention` the copies wait for `attend` (which runs them
+        beside another group's attention) or `land`; without it they run at once, as in
+        `lookup`. The results are the same either way."""
+        cache, found = self.residency.lookup(self, group, topk, batch,
+                                             ahead=self.copy_with_attention)
         if isinstance(found, PendingLookup):
             return cache, found
         return cache, PendingLookup(group, found)
 
-    def land(self, pending: PendingLookup, batch: CacheBatch, *, after=None
+    def land(self, pending: PendingLookup, batch: CacheBatch
              ) -> tuple[HiSparseKVCache, Lookup]:
-        """Completes `lookup_ahead`'s `pending` (same batch): its staged rows and the misses
-        past them land in the group's caches once `after` (any pytree of arrays, or None)
-        is computed (copies still pending with `copy_with_attention` run now). Returns the
-        handle and the group's `Lookup`."""
-        group = pending.group
+        """Completes `lookup_ahead`'s `pending` (same batch): copies still pending (with
+        `copy_with_attention`) run now, into the group's caches. Returns the handle and the
+        group's `Lookup`."""
         if pending.plan is not None:
-            return self._copy_group(group, pending.plan, batch), pending.found
-        if pending.copies is None:
-            return self, pending.found
-        landed = gather_compact_group_finish(
-            batch.group_pools(group, self.index_group_size, self.num_layers),
-            self.caches[self._group_layers(group)], pending.copies, after=after,
-            copy_programs=self.copy_programs)
-        return self._with_group_caches(group, landed), pending.found
+            return self._copy_group(pending.group, pending.plan, batch), pending.found
+        return self, pending.found
 
     def attend(self, layer: int, q: jax.Array, attention_rows: jax.Array, batch: CacheBatch,
                *, sm_scale: float, v_width: int = 512, backend: str | None = None,
@@ -451,16 +412,17 @@ class HiSparseKVCache:
         """`sparse_mla_decode` of q over layer `layer`'s cache at attention_rows (the handle's
         kv_format; backend as the op's). With a `pending` lookup of another index group whose
         copies have not run (`copy_with_attention`), they run in the same launch
-        (`sparse_mla_decode_with_copies`). Returns (handle, out, lse, pending with its copies
-        done: `land` it before that group attends)."""
+        (`sparse_mla_decode_with_copies`), or before the attention where `backend` has no
+        implementation of that op (the registry's fallback, `_registry.runs_fused`). Returns
+        (handle, out, lse, pending with its copies done: `land` it before that group
+        attends)."""
         kw = {"sm_scale": sm_scale, "v_width": v_width, "kv_format": self.kv_format,
               "backend": backend}
         if pending is None or pending.plan is None:  # no copies wait for an attention
             return (self, *sparse_mla_decode(q, self.caches[layer], attention_rows, **kw),
                     pending)
-        if backend is not None and backend not in registered_backends(
-                "sparse_mla_decode_with_copies"):
-            cache, _ = self.land(pending, batch)       # no combined kernel on that backend
+        if not _registry.runs_fused("sparse_mla_decode_with_copies", backend):
+            cache, _ = self.land(pending, batch)       # its parts: the copies, the attention
             return (cache, *sparse_mla_decode(q, cache.caches[layer], attention_rows, **kw),
                     dataclasses.replace(pending, plan=None))
         group = pending.group
@@ -487,8 +449,8 @@ class HiSparseKVCache:
 
     def _copy_group(self, group: int, plan: tuple[jax.Array, jax.Array, jax.Array],
                     batch: CacheBatch) -> HiSparseKVCache:
-        """The handle after the swap plan's copies from host into every layer of `group`,
-        on the main stream (`gather_compact_group`)."""
+        """The handle after the swap plan's copies from host into every layer of `group`
+        (`gather_compact_group`)."""
         copied = gather_compact_group(
             batch.group_pools(group, self.index_group_size, self.num_layers),
             self.caches[self._group_layers(group)], *plan, backend=self.ops_backend,
@@ -509,12 +471,5 @@ class HiSparseKVCache:
             cache = dataclasses.replace(self, hot=_replace(self.hot, group, hot))
             return cache, PendingLookup(group, found,
                                         plan=plan if resolution.swap_src.size else None)
-        if ahead and resolution.swap_src.size:
-            copies = gather_compact_group_start(
-                batch.group_pools(group, self.index_group_size, self.num_layers),
-                self.caches[self._group_layers(group)], *plan, stream=self.copy_stream,
-                backend=self.ops_backend, copy_programs=self.copy_programs)
-            cache = dataclasses.replace(self, hot=_replace(self.hot, group, hot))
-            return cache, PendingLookup(group, found, copies)
         cache = self._copy_group(group, plan, batch)
         return dataclasses.replace(cache, hot=_replace(self.hot, group, hot)), found

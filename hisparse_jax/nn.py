@@ -440,14 +440,12 @@ class Transformer(nnx.Module):
         hits, misses, attn = [], [], []
         x = self.embed(batch.tokens)
         lookup = None
-        # With an external selection and a copy stream, group g + 1 is looked up ahead, before
-        # group g attends: its copies from host cross on the copy stream during group g's
-        # layers and land in its caches once layer g + 1's projection is computed. With
-        # copy_with_attention they run in the launch of group g's first attention instead.
-        ahead = batch.topk is not None and (kv.copy_stream is not None
-                                            or kv.copy_with_attention)
+        # With an external selection and copy_with_attention, group g + 1 is looked up ahead,
+        # before group g attends: its copies from host run in the launch of group g's first
+        # attention.
+        ahead = batch.topk is not None and kv.copy_with_attention
         pending = None
-        if ahead:  # nothing runs before group 0 to overlap: its copies go on the main stream
+        if ahead:  # no attention runs before group 0's: its copies run at its lookup
             kv, found = kv.lookup(0, self._external_topk(batch, 0), kvb)
             pending = PendingLookup(0, found)
         for layer, block in enumerate(self.blocks):
@@ -455,11 +453,10 @@ class Transformer(nnx.Module):
             h = block.attn_norm(x)
             q_lora, q, row = block.attn.project(h, pos)
             if leader and ahead:
-                kv, lookup = kv.land(pending, kvb, after=row)
+                kv, lookup = kv.land(pending, kvb)
                 pending = None
                 if g + 1 < c.num_groups:
                     kv, pending = kv.lookup_ahead(g + 1, self._external_topk(batch, g + 1), kvb)
-                    q = pending.precede(q)  # group g attends after g + 1's copies started
             kv = kv.write(layer, row, kvb)
             if leader and not ahead:
                 if batch.topk is not None:

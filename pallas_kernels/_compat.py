@@ -16,9 +16,6 @@ from typing import Any
 
 import jax
 import jax.extend.core as _jex_core
-from jax._src import core as _core
-from jax._src.compute_on import compute_on_p as _compute_on_p
-from jax._src.interpreters import partial_eval as _pe
 from jax.experimental.compute_on import compute_on as _compute_on
 
 # Loading Pallas' fuser defines a trace-context option (jax >= 0.11). Pallas loads it lazily,
@@ -45,65 +42,6 @@ def on_host(fn: Callable[..., Any], *args: Any) -> Any:
                            out_memory_spaces=jax.memory.Space.Host)(*args)
     with _compute_on("device_host"):
         return jax.jit(fn)(*args)
-
-
-def on_stream(fn: Callable[..., Any], stream: int) -> Callable[..., Any]:
-    """`fn` as a call XLA runs on its GPU stream number `stream` (>= 1; 0 is the main one),
-    asynchronously: the computations after the call that do not read its results may run on
-    the main stream meanwhile, and the first that does waits for it. Results stay in device
-    memory. Elsewhere (CPU, interpret mode) the annotation is ignored and `fn` runs in place.
-
-    The call's operands stay busy until it finishes, so pass it only the arrays it reads or
-    updates: an operand another computation then updates in place would wait for the call.
-    A function that itself computes on the host (`on_host`, e.g. the reference row copies)
-    cannot run inside such a call (XLA nests no compute types): it runs in place instead.
-
-    Only the call carries the stream: `jax.experimental.compute_on` would also mark every
-    operation traced inside it, and XLA refuses a marked call nested in the marked call (each
-    inner `jax.jit`, jnp's included). So the function is traced plainly and bound to
-    compute_on's primitive here.
-    """
-    if not isinstance(stream, int) or stream < 1:
-        raise ValueError(f"stream must be an int >= 1 (0 is the main stream), got {stream!r}")
-
-    def call(*args: Any) -> Any:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if _computes_elsewhere(closed.jaxpr):
-            return fn(*args)
-        consts: list[Any] = []
-        if any(isinstance(c, _core.Tracer) for c in closed.consts):
-            closed, consts = _pe.separate_consts(closed)
-        out_tree = jax.tree.structure(out_shape)
-        outs = _compute_on_p.bind(
-            *consts, *jax.tree.leaves(args), jaxpr=closed, compute_type=f"gpu_stream:{stream}",
-            out_memory_spaces=(jax.memory.Space.Device,) * out_tree.num_leaves,
-            compiler_options_json=None)
-        return jax.tree.unflatten(out_tree, outs)
-
-    return call
-
-
-# XLA options (its DebugOptions, as `jax.jit(compiler_options=...)`) meant to make XLA start an
-# asynchronous call, such as `on_stream`'s, as soon as its operands are ready: they switch off
-# XLA's latency-hiding scheduler (its own flag, and on Hopper the analytical latency estimator
-# that also turns it on), which does not count a stream call among the asynchronous
-# operations it hides and places the call's start right before its done. Measured on the H200
-# with jax 0.11.2 (`bench/stream_overlap.py`, the only user): the start stays right before
-# the done, so no library code sets them. Known to jaxlib 0.10.2 through 0.12.
-EARLY_ASYNC_START_OPTIONS = {
-    "xla_gpu_enable_latency_hiding_scheduler": False,
-    "xla_gpu_enable_analytical_sol_latency_estimator": False,
-}
-
-
-def _computes_elsewhere(jaxpr: Any) -> bool:
-    """True when any equation of `jaxpr` (or of a jaxpr inside it) carries a compute type:
-    a `compute_on` call (jax >= 0.11, and 0.10's function form) or an equation traced under
-    0.10's `compute_on` context manager."""
-    for eqn in jaxpr.eqns:
-        if "compute_on" in eqn.primitive.name or getattr(eqn.ctx, "compute_type", None):
-            return True
-    return any(_computes_elsewhere(sub) for sub in _core.subjaxprs(jaxpr))
 
 
 def has_gpu() -> bool:

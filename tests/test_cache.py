@@ -4,7 +4,6 @@ direct NumPy computation, donation at a jit boundary, and the residencies' agree
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import chex
 import jax
@@ -20,6 +19,7 @@ from hisparse_jax.cache import (
     NaiveOffload,
 )
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.ops import _registry
 from host_tier import memory_sharding
 from pallas_kernels._rows import flat_rows
 
@@ -243,27 +243,23 @@ def test_the_cache_is_donated_at_a_jit_boundary_and_the_host_pools_are_not():
     assert jax.tree.leaves(new.with_residency(AllResident()))[0] is jax.tree.leaves(new)[0]
 
 
-def _two_groups(residency, copy_stream, backend, copy_programs=None,
-                copy_with_attention=False):
+def _two_groups(residency, backend, copy_programs=None, copy_with_attention=False):
     """The setup's two layers as two index groups of one layer each, one pool per layer."""
     cache, batch, host, tables = _setup(residency)
     cache = dataclasses.replace(cache, index_group_size=1, hot=cache.hot * 2,
-                                copy_stream=copy_stream, ops_backend=backend,
-                                copy_programs=copy_programs,
+                                ops_backend=backend, copy_programs=copy_programs,
                                 copy_with_attention=copy_with_attention)
     return cache, batch, host, tables
 
 
-def _ahead_steps(cache, batch, topk, x):
-    """Lookups in both groups, twice, group 1 first, each made ahead and landed after other
-    work (a matrix product of x that waits for the resolve and that the landing waits for)."""
+def _ahead_steps(cache, batch, topk):
+    """Lookups in both groups, twice, group 1 first, each made ahead and then landed."""
     found = []
     for group in (1, 0, 1, 0):
         cache, pending = cache.lookup_ahead(group, topk if group else topk[::-1], batch)
-        x = jnp.tanh(pending.precede(x) @ x)
-        cache, f = cache.land(pending, batch, after=x)
+        cache, f = cache.land(pending, batch)
         found.append(f)
-    return cache, found, x
+    return cache, found
 
 
 def _assert_same_runs(runs, residency, host, tables):
@@ -283,32 +279,22 @@ def _assert_same_runs(runs, residency, host, tables):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("residency", RESIDENCIES, ids=lambda r: r.name)
-def test_lookups_made_ahead_on_a_copy_stream_equal_lookups_in_model_order(residency, backend):
-    # The same four lookups by `lookup` without a stream and by lookup_ahead / land with
-    # and without stream 1 (one miss per row staged on the stream, the rest copied on the
-    # main stream; then with the copies moved by 2 or 3 looping programs): every cache, hot
-    # state and found row is the same. The kernels' staged copies become a stream call (only
-    # in lookup_ahead: `lookup` copies at once); the reference's host-computed copies cannot
-    # nest in one, so they run in place.
-    def in_order(cache, batch, topk, x):
+def test_lookups_made_ahead_equal_lookups_in_model_order(residency, backend):
+    # The same four lookups by `lookup` and by lookup_ahead / land (with the copies on the
+    # kernel's grid, then moved by 3 or 2 looping programs): every cache, hot state and found
+    # row is the same.
+    def in_order(cache, batch, topk):
         found = []
         for group in (1, 0, 1, 0):
             cache, f = cache.lookup(group, topk if group else topk[::-1], batch)
             found.append(f)
-        return cache, found, x
+        return cache, found
 
-    x = jnp.eye(4, dtype=jnp.float32)
     runs = []
-    for steps, stream, programs in ((in_order, 1, None), (in_order, None, 3),
-                                    (_ahead_steps, None, None), (_ahead_steps, 1, None),
-                                    (_ahead_steps, 1, 2)):
-        cache, batch, host, tables = _two_groups(residency, stream, backend, programs)
-        runs.append(jax.jit(steps)(cache, batch, _topk(), x)[:2])
-        lowered = jax.jit(steps).lower(cache, batch, _topk(), x).as_text()
-        calls = [line for line in lowered.splitlines()
-                 if "call @compute_on" in line and '_xla_stream_annotation = "1"' in line]
-        assert bool(calls) == bool(steps is _ahead_steps and stream and residency.reads_host
-                                   and backend == "triton")
+    for steps, programs in ((in_order, None), (in_order, 3), (_ahead_steps, None),
+                            (_ahead_steps, 2)):
+        cache, batch, host, tables = _two_groups(residency, backend, programs)
+        runs.append(jax.jit(steps)(cache, batch, _topk()))
     _assert_same_runs(runs, residency, host, tables)
 
 
@@ -327,7 +313,7 @@ def test_copies_run_beside_an_attention_equal_lookups_in_model_order(residency, 
         for group in (1, 0, 1, 0):
             cache, pending = cache.lookup_ahead(group, topk if group else topk[::-1], batch)
             if cache.copy_with_attention and residency.reads_host:
-                assert pending.plan is not None and pending.copies is None
+                assert pending.plan is not None
             other = 1 - group
             rows = found[-1].attention_rows if found else jnp.full((3, 8), -1, jnp.int32)
             cache, out, _, left = cache.attend(other, q, rows, batch, sm_scale=0.5,
@@ -341,11 +327,11 @@ def test_copies_run_beside_an_attention_equal_lookups_in_model_order(residency, 
 
     runs = []
     for with_attention, beside in ((False, False), (True, False), (True, True)):
-        cache, batch, host, tables = _two_groups(residency, None, backend,
+        cache, batch, host, tables = _two_groups(residency, backend,
                                                  copy_with_attention=with_attention)
         runs.append(jax.jit(steps, static_argnums=3)(cache, batch, _topk(), beside))
     _assert_same_runs(runs, residency, host, tables)  # attention outputs included
-    cache, batch, _, _ = _two_groups(residency, None, backend, copy_with_attention=True)
+    cache, batch, _, _ = _two_groups(residency, backend, copy_with_attention=True)
     cache, pending = cache.lookup_ahead(0, _topk(), batch)
     if pending.plan is not None:
         with pytest.raises(ValueError, match="its own index group 0's copies are pending"):
@@ -353,30 +339,33 @@ def test_copies_run_beside_an_attention_equal_lookups_in_model_order(residency, 
                          v_width=W, pending=pending)
 
 
-@pytest.mark.gpu
-def test_a_lookup_made_ahead_compiles_to_an_async_call_around_the_work_before_its_landing():
-    # On the GPU a lookup made ahead copies from host in an asynchronous call (call-start /
-    # call-done) on stream 1 that fills a staging buffer; XLA schedules the work traced
-    # between lookup_ahead and land (here a matrix product) between the call's start and its
-    # done; the caches are updated in place on the main stream: no instruction copies one.
-    cache, batch, _, _ = _two_groups(HiSparse(), 1, "triton")
-    x = jnp.ones((512, 512), jnp.float32)
-    text = jax.jit(_ahead_steps, donate_argnums=0).lower(
-        cache, batch, _topk(), x).compile().as_text()
-    entry = text[text.index("\nENTRY "):].splitlines()
-    names = {line.split("=")[0].strip(): i for i, line in enumerate(entry) if " = " in line}
-    dones = [i for i, line in enumerate(entry) if " call-done(" in line]
-    assert len(dones) == 4, entry
-    for done in dones:
-        start = names[re.search(r" call-done\((%?[\w.-]+)", entry[done]).group(1)]
-        assert '_xla_stream_annotation="1"' in entry[start], entry[start]
-        between = entry[start + 1:done]  # the work's matrix product, at least
-        assert any("f32[512,512]" in line and ("custom-call(" in line or " fusion(" in line)
-                   for line in between), between
-    shape = "f32[{},{},{}]".format(*cache.caches[0].shape)
-    copies = [line for line in text.splitlines()
-              if f"= {shape}" in line and (" copy(" in line or " copy-start(" in line)]
-    assert not copies, copies
+def test_attend_asks_the_registry_whether_the_copies_join_the_attention(monkeypatch):
+    # Where the registry says the attention's backend has no joint op (`runs_fused` False),
+    # attend runs the pending copies, then the attention alone: the same caches, outputs and
+    # left-over pending as the joint op gives.
+    q = jnp.asarray(np.random.default_rng(6).standard_normal((3, 2, W)), jnp.float32)
+    cache, batch, _, _ = _two_groups(HiSparse(), "reference", copy_with_attention=True)
+    cache, found = cache.lookup(0, _topk()[::-1], batch)
+    cache, pending = cache.lookup_ahead(1, _topk(), batch)
+    assert pending.plan is not None
+
+    def attend(cache):
+        return cache.attend(0, q, found.attention_rows, batch, sm_scale=0.5, v_width=W,
+                            backend="reference", pending=pending)
+
+    want = attend(cache)
+    asked = []
+
+    def no_joint_op(op, backend):
+        asked.append((op, backend))
+        return False
+
+    monkeypatch.setattr(_registry, "runs_fused", no_joint_op)
+    got = attend(cache)
+    assert asked == [("sparse_mla_decode_with_copies", "reference")]
+    chex.assert_trees_all_equal(got[0].caches, want[0].caches)
+    chex.assert_trees_all_equal(got[1:], want[1:])
+    assert got[3].plan is None
 
 
 def test_create_follows_the_config():
@@ -391,20 +380,14 @@ def test_create_follows_the_config():
                                    max_model_len=None)
     assert no_sizes.host_rows == 0
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="copy_stream must be None or an int >= 1"):
-            HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=bad)
         with pytest.raises(ValueError, match="copy_programs must be None or an int >= 1"):
-            HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
-                                   copy_programs=bad)
-    assert HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
+            HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_programs=bad)
+    assert HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(),
                                   copy_programs=4).copy_programs == 4
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="copy_with_attention must be a bool"):
             HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(),
                                    copy_with_attention=bad)
-    with pytest.raises(ValueError, match="copy_with_attention .* takes no copy_stream"):
-        HiSparseKVCache.create(CFG, num_layers=1, residency=HiSparse(), copy_stream=1,
-                               copy_with_attention=True)
     with pytest.raises(ValueError, match="num_gpu_blocks is unknown"):
         HiSparseKVCache.create(no_sizes, num_layers=1, residency=AllResident())
     with pytest.raises(ValueError, match="max_model_len is unknown"):

@@ -155,23 +155,19 @@ def test_external_topk_modes_decode_the_same_tokens():
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(naive_offload=True)], ids=["hisparse", "naive"])
-def test_lookups_on_a_copy_stream_decode_what_the_main_stream_decodes(mode):
-    # `copy_stream` looks group 1 up ahead, during group 0's layers, its copies staged by one
-    # call on another stream (then moved by 3 looping programs; then by 2 on the main stream):
-    # the tokens are those of lookups in model order. (The rows moved are not compared: they
+def test_copies_by_looping_programs_decode_what_the_full_grid_decodes(mode):
+    # `copy_programs` moves each lookup's copies (in model order) by 2 looping programs: the
+    # tokens are those of the kernel's full grid. (The rows moved are not compared: they
     # depend on when the transfer worker's spills complete.)
     drift = DriftTopK(turnover=0.25, seed=3)
-    runs = [_run_external(drift, num_gpu_blocks=44, copy_stream=stream, ops_backend="triton",
+    runs = [_run_external(drift, num_gpu_blocks=44, ops_backend="triton",
                           copy_programs=programs, copy_with_attention=False, **mode)
-            for stream, programs in ((None, None), (1, None), (1, 3), (None, 2))]
-    (main, want), (side, got), (few, got_few), (few_main, got_few_main) = runs
-    for other in (got, got_few, got_few_main):
-        assert [r.generated for r in other] == [r.generated for r in want]
-    assert few.runner.cache.kv.copy_programs == 3 and few_main.runner.cache.kv.copy_programs == 2
+            for programs in (None, 2)]
+    (_, want), (few, got_few) = runs
+    assert [r.generated for r in got_few] == [r.generated for r in want]
+    assert few.runner.cache.kv.copy_programs == 2
     for engine, _ in runs:
         assert engine.summary()["rows_moved_h2d"] > 0 and engine.metrics.hot_misses > 0
-    assert side.runner.cache.kv.copy_stream == 1 and main.runner.cache.kv.copy_stream is None
-    for engine, _ in runs:
         engine.close()
 
 
@@ -237,18 +233,13 @@ def test_engine_config_validation():
     with pytest.raises(ValueError, match="TopKSource"):
         Engine(tiny_model(), EngineConfig(topk_source=object()))
     for bad in (0, -1, 1.0, True, "1"):
-        with pytest.raises(ValueError, match="EngineConfig.copy_stream must be a positive int"):
-            EngineConfig(copy_stream=bad)
         with pytest.raises(ValueError, match="EngineConfig.copy_programs must be a positive"):
-            EngineConfig(copy_stream=1, copy_programs=bad)
-    for bad in (1, "yes"):
+            EngineConfig(copy_programs=bad)
+    for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="EngineConfig.copy_with_attention must be a bool"):
             EngineConfig(copy_with_attention=bad)
-    with pytest.raises(ValueError, match="copy_with_attention and copy_stream exclude"):
-        EngineConfig(copy_stream=1, copy_with_attention=True)
-    # The default: copies beside an attention, unless the copies go on a stream.
+    # The default: copies beside an attention.
     assert EngineConfig().copy_with_attention is True
-    assert EngineConfig(copy_stream=1).copy_with_attention is False
 
 
 def test_fast_path_stop_tokens_and_temperature(all_resident):

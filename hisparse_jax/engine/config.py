@@ -153,25 +153,17 @@ class EngineConfig:
         default True): resolve looks every selected row up once instead of searching the
         hot region (`docs/semantics.md`), for 2 bytes per position, per seat and index
         group (max_seats * max_model_len * 2 bytes each). False: the search rule.
-      copy_stream: None (default): a decode step's copies from host run on the main GPU
-        stream. An int s >= 1 (experimental): with a topk_source each index group after the
-        first is looked up ahead (`HiSparseKVCache.lookup_ahead`), its copies staged on GPU
-        stream s while the previous group's layers run, and landed before its own layers.
-        Same tokens; ignored off the GPU and by all-resident engines. On jax 0.11.2 XLA
-        still starts those copies right before they are needed in the decode step, so it
-        costs a little (`docs/host_pool.md`).
       copy_programs: None (default), or an int P >= 1: at most P GPU programs move a
         decode step's copies from host, each looping over its share, instead of a program
         per chunk of every row's plan (`HiSparseKVCache.copy_programs`). Same tokens.
-      copy_with_attention: None (default: True unless a copy_stream is set), True (not with
-        copy_stream) or False: with a topk_source each index group after the first is looked
-        up ahead, and its copies from host run in the launch of the previous group's first
-        attention, by copy_programs programs (32 when None) beside the attention's
-        (`HiSparseKVCache.attend`, `sparse_mla_decode_with_copies`): the copies overlap that
-        attention inside one kernel (on the H200 at 256 requests: 1.15x HiSparse decode
-        tokens/s, `docs/host_pool.md`). Same tokens. The model's own indexer needs group g's
-        output to select group g + 1's rows, so without a topk_source nothing changes.
-        False: every group's copies run at its own lookup, in model order.
+      copy_with_attention: True (default) or False: with a topk_source each index group
+        after the first is looked up ahead, and its copies from host run in the launch of
+        the previous group's first attention, by copy_programs programs (32 when None)
+        beside the attention's (`HiSparseKVCache.attend`, `sparse_mla_decode_with_copies`):
+        the copies overlap that attention inside one kernel (`docs/host_pool.md`). Same
+        tokens. The model's own indexer needs group g's output to select group g + 1's rows,
+        so without a topk_source nothing changes. False: every group's copies run at its
+        own lookup, in model order.
 
     Every field is checked at construction (`validate`): ValueError naming the field and the
     rule.
@@ -205,9 +197,8 @@ class EngineConfig:
     prefix_hit_pages: str = "restore"
     pack_host_layers: bool = True
     position_map: bool = True
-    copy_stream: int | None = None
     copy_programs: int | None = None
-    copy_with_attention: bool | None = None
+    copy_with_attention: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -222,8 +213,7 @@ class EngineConfig:
         for name in ("max_seats", "max_model_len", "block_size", "prefill_bucket"):
             _check_int(name, getattr(self, name), minimum=1)
         for name, minimum in (("hot_size", 1), ("max_traces", 1), ("num_gpu_blocks", 2),
-                              ("num_host_blocks", 2), ("copy_stream", 1),
-                              ("copy_programs", 1)):
+                              ("num_host_blocks", 2), ("copy_programs", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=minimum, optional=True)
                 object.__setattr__(self, name, int(getattr(self, name)))
@@ -234,7 +224,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         for name in ("all_resident", "naive_offload", "synthetic_prefill", "collect_attention",
                      "compilation_cache", "union_resolution", "async_scheduling",
-                     "enable_prefix_caching", "pack_host_layers", "position_map"):
+                     "enable_prefix_caching", "pack_host_layers", "position_map",
+                     "copy_with_attention"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {value!r}")
@@ -244,15 +235,6 @@ class EngineConfig:
                              f"{self.kv_format!r}")
         if self.all_resident and self.naive_offload:
             raise ValueError("EngineConfig: all_resident and naive_offload exclude each other")
-        if self.copy_with_attention is None:
-            object.__setattr__(self, "copy_with_attention", self.copy_stream is None)
-        elif not isinstance(self.copy_with_attention, (bool, np.bool_)):
-            raise ValueError("EngineConfig.copy_with_attention must be a bool or None, got "
-                             f"{self.copy_with_attention!r}")
-        object.__setattr__(self, "copy_with_attention", bool(self.copy_with_attention))
-        if self.copy_with_attention and self.copy_stream is not None:
-            raise ValueError("EngineConfig: copy_with_attention and copy_stream exclude each "
-                             "other (the copies run in an attention's launch, or on a stream)")
         if self.topk_source is not None and not isinstance(self.topk_source, TopKSource):
             raise ValueError("EngineConfig.topk_source must be a hisparse_jax.topk_sources."
                              f"TopKSource or None, got {type(self.topk_source).__name__}")

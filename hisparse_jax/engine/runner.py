@@ -308,7 +308,7 @@ class Runner:
         self._hot_deferred: np.ndarray | None = None  # `apply_plan_state`, fresh state: none
         kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=self.residency,
                                     index_group_size=mc.index_group_size,
-                                    ops_backend=ec.ops_backend, copy_stream=ec.copy_stream,
+                                    ops_backend=ec.ops_backend,
                                     copy_programs=ec.copy_programs,
                                     copy_with_attention=ec.copy_with_attention)
         self.cache = self._put(DecodeCache(

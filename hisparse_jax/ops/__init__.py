@@ -1,11 +1,9 @@
 """The data-plane ops of hisparse-jax: one name per op, one backend registry.
 
-  resolve_residency, Resolution    hot-region lookup + LRU update (`residency.py`)
-  invalidate_written_rows          drop stale hot copies of rewritten rows (`residency.py`)
+  resolve_residency, Resolution    hot-region lookup + LRU update (`hot_region.py`)
+  invalidate_written_rows          drop stale hot copies of rewritten rows (`hot_region.py`)
   gather_compact                   host pool -> device cache rows, one layer (`copies.py`)
   gather_compact_group             the same plan into every layer of an index group
-  gather_compact_group_start,      the same, split around other work: start on a copy
-    _finish, StagedCopies          stream, land in the caches later (`copies.py`)
   mirror_rows                      device cache -> host pool rows (`copies.py`)
   mirror_rows_group                the same row list into every layer's pool, one call
   restore_rows                     host -> device rows of the host tier's restores
@@ -18,7 +16,7 @@
 Every op validates its arguments before any work (ValueError / TypeError naming the argument
 and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
 or None (the best backend that supports the inputs on a GPU, else "reference"); the rules are
-in `_registry.py`. Semantics of the residency ops: `docs/semantics.md`; of the prefill
+in `_registry.py`. Semantics of the hot-region ops: `docs/semantics.md`; of the prefill
 staging copy: `docs/prefill_staging.md`. KV rows come in two formats (`KV_FORMATS`,
 `pallas_kernels/kv_format.py`, `docs/kv_format.md`): the copies move either as rows of any
 dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes `kv_format=`.
@@ -27,16 +25,13 @@ dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes `kv_format=`.
 from hisparse_jax.ops._registry import BACKENDS, registered_backends
 from hisparse_jax.ops.attention import sparse_mla_decode, sparse_mla_decode_with_copies
 from hisparse_jax.ops.copies import (
-    StagedCopies,
     gather_compact,
     gather_compact_group,
-    gather_compact_group_finish,
-    gather_compact_group_start,
     mirror_rows,
     mirror_rows_group,
     restore_rows,
 )
-from hisparse_jax.ops.residency import Resolution, invalidate_written_rows, resolve_residency
+from hisparse_jax.ops.hot_region import Resolution, invalidate_written_rows, resolve_residency
 from hisparse_jax.ops.staging import StagedRows, stage_prefill_rows
 from pallas_kernels.kv_format import KV_FORMATS
 
@@ -44,12 +39,9 @@ __all__ = [
     "BACKENDS",
     "KV_FORMATS",
     "Resolution",
-    "StagedCopies",
     "StagedRows",
     "gather_compact",
     "gather_compact_group",
-    "gather_compact_group_finish",
-    "gather_compact_group_start",
     "invalidate_written_rows",
     "mirror_rows",
     "mirror_rows_group",

@@ -15,6 +15,12 @@ Modules are imported on first use: `mosaic_gpu.py` needs a jax with Mosaic GPU P
   * "pallas" (the former name of the Triton data-plane kernels) is accepted as a deprecated
     alias of "triton" (DeprecationWarning).
 Off a GPU, kernels run in Pallas interpret mode (`implementation(...)` binds `interpret`).
+
+A fused op (`FUSED_PARTS`: one launch doing the work of several ops) has a fallback: where
+the requested backend has no implementation of it, its caller runs the parts instead, one
+after the other, with the same results. `runs_fused(op, backend)` answers which: the fused op
+for None (`select` then picks per platform, "reference" at worst) and for every backend it
+registers; the parts for any other backend. Callers ask it rather than test names.
 """
 
 from __future__ import annotations
@@ -61,6 +67,12 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 
 
+# Fused op -> the ops it does the work of, in the order its fallback runs them.
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "sparse_mla_decode_with_copies": ("gather_compact_group", "sparse_mla_decode"),
+}
+
+
 def ops() -> tuple[str, ...]:
     """Every registered op name."""
     return tuple(_OPS)
@@ -84,6 +96,26 @@ def normalize(backend: str | None) -> str | None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     return backend
+
+
+def runs_fused(op: str, backend: str | None) -> bool:
+    """Whether a call of the fused `op` with `backend=` runs `op` itself (True) or its parts,
+    `FUSED_PARTS[op]`, one after the other (False: `op` has no `backend` implementation).
+    The rule is the module docstring's; the deprecated alias counts as its new name, silently
+    (the op's own call warns).
+
+    Raises:
+      KeyError: `op` is not a fused op.
+      ValueError: `backend` is neither None nor a name of `BACKENDS`.
+    """
+    if op not in FUSED_PARTS:
+        raise KeyError(f"no fused op {op!r}; the fused ops are {tuple(FUSED_PARTS)}")
+    if backend is None:
+        return True
+    name = _DEPRECATED_ALIASES.get(backend, backend) if isinstance(backend, str) else backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return name in registered_backends(op)
 
 
 @functools.cache

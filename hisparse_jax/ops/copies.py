@@ -21,7 +21,6 @@ GPU, else the reference).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -29,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.ops import _checks, _registry
-from pallas_kernels import _compat
 
 
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("kv_cache",))
@@ -86,158 +84,6 @@ def _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, bac
                                      swap_dst, swap_counts))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StagedCopies:
-    """A swap plan whose first rows are crossing PCIe on a copy stream
-    (`gather_compact_group_start`); `gather_compact_group_finish` lands it in the caches.
-
-    Attributes:
-      staging: one buffer per pool array [N, stage_rows, pool row width], filled on the copy
-        stream: row (n, m) holds the pool row swap_src[n, m] for m < stage_rows.
-      swap_src, swap_dst, swap_counts: the plan (int32[N, K], int32[N, K], int32[N]).
-      backend: the copy implementation the two halves use (static).
-    """
-
-    staging: tuple[jax.Array, ...]
-    swap_src: jax.Array
-    swap_dst: jax.Array
-    swap_counts: jax.Array
-    backend: str = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def stage_rows(self) -> int:
-        return self.staging[0].shape[1] if self.staging else 0
-
-    def precede(self, x):
-        """`x` (any pytree of arrays), tied to the plan these copies read: the work that reads
-        the returned arrays comes after the plan is computed, so that the copies (which may
-        start then) run during that work rather than after it."""
-        x, _ = jax.lax.optimization_barrier((x, (self.swap_src, self.swap_counts)))
-        return x
-
-
-def _staging_rows(n: int, k: int, c: int) -> tuple[jax.Array, jax.Array]:
-    """m int32[1, K] (the plan's columns) and the staging row of each (n, m), for c staged
-    columns per batch row: n * c + m (meaningful where m < c)."""
-    m = jnp.arange(k, dtype=jnp.int32)[None, :]
-    return m, jnp.arange(n, dtype=jnp.int32)[:, None] * c + m
-
-
-def _start(host_pools, swap_src, swap_dst, swap_counts, *, backend, stream, stage_rows,
-           programs=None):
-    gather = _group_kernel(backend, programs)
-    n, k = swap_src.shape
-    c = min(stage_rows or max(1, k // 8), k)  # None: an eighth of the plan's width
-
-    def stage(pools, src, counts):
-        m, stage_row = _staging_rows(n, k, c)
-        bufs = tuple(jnp.zeros((n, c, p.shape[-1]), p.dtype) for p in pools)
-        return tuple(gather(pools, bufs, src, jnp.where(m < c, stage_row, -1), counts))
-
-    # Across PCIe on the copy stream: each pool array's whole (packed) rows, one launch. The
-    # call's operands are the pools and the plan alone (the staging rows are numbered
-    # inside), so that XLA may start it once the plan is computed: an operand XLA computes
-    # late (it placed such an operand-free one right before the landing) holds it back.
-    staging = _compat.on_stream(stage, stream)(tuple(host_pools), swap_src, swap_counts)
-    return StagedCopies(tuple(staging), swap_src, swap_dst, swap_counts, backend)
-
-
-def _finish(host_pools, kv_caches, staged, after=None, programs=None):
-    # The landing reads device memory: the kernel's full grid. `programs` moves the misses
-    # past the staged ones, from host.
-    land, from_host = _group_kernel(staged.backend, None), _group_kernel(staged.backend, programs)
-    src, dst, counts = staged.swap_src, staged.swap_dst, staged.swap_counts
-    n, k = src.shape
-    c = staged.stage_rows
-    staging = staged.staging
-    if after is not None:  # the landing waits for `after`: the copies overlap what makes it
-        staging, _ = jax.lax.optimization_barrier((staging, after))
-    m, stage_row = _staging_rows(n, k, c)
-    staged_m = m < c
-    # On this stream: staging -> caches (device to device), then the misses past c, if any.
-    kv_caches = tuple(land(staging, kv_caches, jnp.where(staged_m & (src >= 0), stage_row, -1),
-                           dst, counts))
-    if c < k:
-        kv_caches = tuple(from_host(host_pools, kv_caches, jnp.where(staged_m, -1, src), dst,
-                                    counts))
-    return kv_caches
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "stream", "stage_rows", "programs"),
-                   donate_argnames=("kv_caches",))
-def _gather_group_staged(host_pools, kv_caches, swap_src, swap_dst, swap_counts, *, backend,
-                         stream, stage_rows, programs):
-    staged = _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend,
-                    stream=stream, stage_rows=stage_rows, programs=programs)
-    return _finish(host_pools, kv_caches, staged, programs=programs)
-
-
-def _check_stream_args(stream, stage_rows, copy_programs):
-    for name, value in (("stream", stream), ("stage_rows", stage_rows),
-                        ("copy_programs", copy_programs)):
-        if value is not None:
-            _checks.check_static_int(name, value, minimum=1)
-
-
-def gather_compact_group_start(
-    host_pools: Sequence[jax.Array],
-    kv_caches: Sequence[jax.Array],
-    swap_src: jax.Array,
-    swap_dst: jax.Array,
-    swap_counts: jax.Array,
-    *,
-    stream: int,
-    backend: str | None = None,
-    stage_rows: int | None = None,
-    copy_programs: int | None = None,
-) -> StagedCopies:
-    """The first half of `gather_compact_group(stream=stream)`, for use inside a jit: starts
-    the copies of the plan's first `stage_rows` misses per row (K // 8 when None) on GPU
-    stream `stream` into staging buffers it allocates, and returns them in flight.
-    `gather_compact_group_finish` lands them (and the misses past stage_rows) in the
-    caches; the work traced between the two, when it does not read those caches, may run
-    while the rows cross. kv_caches is only checked here (the caches the plan lands in).
-    copy_programs: as `gather_compact_group`'s (here: so that the work on the main stream
-    keeps the rest of the GPU).
-
-    Raises: as `gather_compact_group`; stream is required.
-    """
-    host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
-    _checks.validate_group(host_pools, kv_caches)
-    _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
-    _checks.check_static_int("stream", stream, minimum=1)  # required here
-    _check_stream_args(None, stage_rows, copy_programs)
-    backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
-                               swap_src, swap_dst, swap_counts)
-    return _start(host_pools, swap_src, swap_dst, swap_counts, backend=backend, stream=stream,
-                  stage_rows=stage_rows, programs=copy_programs)
-
-
-def gather_compact_group_finish(
-    host_pools: Sequence[jax.Array],
-    kv_caches: Sequence[jax.Array],
-    staged: StagedCopies,
-    *,
-    after: object = None,
-    copy_programs: int | None = None,
-) -> tuple[jax.Array, ...]:
-    """The second half: lands `staged` (`gather_compact_group_start` of the same pools and
-    plan) in kv_caches and copies the misses past its stage_rows from the pools; returns the
-    updated caches (the same as `gather_compact_group`'s). after: arrays (any pytree) the
-    landing waits for, so that the work computing them runs while the rows cross (XLA would
-    otherwise wait for the copies as soon as their results are free to land).
-    copy_programs: as `gather_compact_group`'s, for the misses past stage_rows (the landing
-    copies device memory with the kernel's full grid)."""
-    host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
-    _checks.validate_group(host_pools, kv_caches)
-    _check_stream_args(None, None, copy_programs)
-    if not isinstance(staged, StagedCopies) or len(staged.staging) != len(host_pools):
-        raise ValueError("staged must be the StagedCopies of gather_compact_group_start over "
-                         f"the same {len(host_pools)} pool arrays")
-    return _finish(host_pools, kv_caches, staged, after, copy_programs)
-
-
 def gather_compact_group(
     host_pools: Sequence[jax.Array],
     kv_caches: Sequence[jax.Array],
@@ -247,8 +93,6 @@ def gather_compact_group(
     *,
     backend: str | None = None,
     fused: bool = True,
-    stream: int | None = None,
-    stage_rows: int | None = None,
     copy_programs: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """`gather_compact` of one swap plan into every layer of an index group.
@@ -264,15 +108,6 @@ def gather_compact_group(
     swap_src, swap_dst: int32[N, K]; swap_counts: int32[N] (from the leader's resolve).
     fused: with a kernel backend, ONE launch for all layers (else one launch per pool
       array, inside the same jit); the reference always runs array by array.
-    stream: None (default): the copies run where the call does. An int s >= 1: the rows
-      cross PCIe on GPU stream s (`_compat.on_stream`), so that work of the enclosing jit
-      that does not read these caches runs meanwhile. The first `stage_rows` misses of each
-      batch row (K // 8 when None) go from the pools into a staging buffer, allocated inside
-      that call ([N, stage_rows, pool row width] of the pool's dtype per pool array); this
-      stream then copies them into the caches (device to device) and copies the misses past
-      stage_rows straight from the pools. (A call on another stream cannot update the caches
-      in place: XLA would copy them whole.) Same result. The reference backend gathers on
-      the host and runs in place. `fused` is ignored.
     copy_programs: None (default): the kernel's grid has a program per chunk of up to 16
       misses of every batch row's plan (K wide), most of which find nothing to copy. An int
       P >= 1: at most P programs, each looping over its share of the chunks that hold a
@@ -280,21 +115,17 @@ def gather_compact_group(
       same result; the reference ignores it.
 
     Raises:
-      TypeError / ValueError: stream, stage_rows or copy_programs is neither None nor an
-        int >= 1.
+      TypeError / ValueError: copy_programs is neither None nor an int >= 1.
     """
     host_pools, kv_caches = tuple(host_pools), tuple(kv_caches)
     _checks.validate_group(host_pools, kv_caches)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
-    _check_stream_args(stream, stage_rows, copy_programs)
+    if copy_programs is not None:
+        _checks.check_static_int("copy_programs", copy_programs, minimum=1)
     if not kv_caches:
         return ()
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
                                swap_src, swap_dst, swap_counts)
-    if stream is not None and swap_src.size:
-        return _gather_group_staged(
-            host_pools, kv_caches, swap_src, swap_dst, swap_counts, backend=backend,
-            stream=stream, stage_rows=stage_rows, programs=copy_programs)
     return _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
                          backend=backend, fused=bool(fused), programs=copy_programs)
 

@@ -12,12 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hisparse_jax as hs
-from hisparse_jax.ops import (
-    gather_compact_group,
-    gather_compact_group_finish,
-    gather_compact_group_start,
-    restore_rows,
-)
+from hisparse_jax.ops import gather_compact_group, restore_rows
 from pallas_kernels import kv_format as kvf
 from pallas_kernels._triton import CopyTuning, row_pieces
 from pallas_kernels.gather_compact import reference
@@ -224,41 +219,6 @@ def test_group_replays_plan_on_every_layer(backend, fused, seed, layout, paged, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=examples(0.3), deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), layout=st.sampled_from([(2, 1), (2, 2), (4, 2)]),
-       stage_rows=st.sampled_from([None, 1, 5, 16, 40]), halves=st.booleans())
-def test_group_copies_through_a_stream_stage_equal_the_oracle(backend, seed, layout,
-                                                              stage_rows, halves):
-    """`stream=1`: the first stage_rows misses of each row cross on another stream into a
-    staging buffer and are copied on into the caches, the rest straight from the pools;
-    every layer ends exactly as the oracle's, whatever the split (none staged past the
-    counts, all staged, some). `halves`: the same through gather_compact_group_start and
-    _finish in one jit, with other work between them that the landing waits for."""
-    layers, per_array = layout
-    rng = np.random.default_rng(seed)
-    n, k, block, num_blocks, host_rows, width = 3, 16, 4, 10, 48, 40
-    pools = [random_rows(rng, (host_rows, width)) for _ in range(layers)]
-    caches = [random_rows(rng, (num_blocks, block, width)) for _ in range(layers)]
-    src, dst, counts = swap_plan(rng, n, k, host_rows, num_blocks * block)
-    args = ([to_host(p) for p in pack_layers(pools, per_array)],
-            [jnp.asarray(c) for c in caches], jnp.asarray(src), jnp.asarray(dst),
-            jnp.asarray(counts))
-    if halves:
-        def split(pools, caches, src, dst, counts, x):
-            staged = gather_compact_group_start(pools, caches, src, dst, counts, stream=1,
-                                                backend=backend, stage_rows=stage_rows)
-            x = jnp.tanh(x @ x)
-            return gather_compact_group_finish(pools, caches, staged, after=x), x
-
-        got, _ = jax.jit(split)(*args, jnp.eye(8, dtype=jnp.float32))
-    else:
-        got = gather_compact_group(*args, backend=backend, stream=1, stage_rows=stage_rows)
-    for pool, cache, out in zip(pools, caches, got, strict=True):
-        np.testing.assert_array_equal(bits(out),
-                                      bits(oracle_gather(pool, cache, src, dst, counts)))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_one_layer_copies_read_a_packed_pool_by_flat_rows(backend):
     """gather_compact and restore_rows on a packed array take its flat W-wide row ids
     (layer l's row r: r * G + l % G), the ids `HostPool.layer_rows` makes."""
@@ -343,22 +303,11 @@ def test_validation_errors(pinned_host, on_device):
     with pytest.raises(ValueError, match="layer 1: row_width mismatch"):
         gather_compact_group([pool, jax.device_put(np.zeros((8, 8), np.float32), pinned_host)],
                              [cache, cache], *plan)
-    for name in ("stream", "stage_rows"):
-        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
-            gather_compact_group([pool], [cache], *plan, **{name: 0})
-        for bad in (True, 2.0):
-            with pytest.raises(TypeError, match=f"{name} must be a static Python int"):
-                gather_compact_group([pool], [cache], *plan, **{name: bad})
-    with pytest.raises(TypeError, match="stream must be a static Python int, got NoneType"):
-        gather_compact_group_start([pool], [cache], *plan, stream=None)
-    with pytest.raises(ValueError, match="stage_rows must be >= 1, got 0"):
-        gather_compact_group_start([pool], [cache], *plan, stream=1, stage_rows=0)
-    staged = gather_compact_group_start([pool], [cache], *plan, stream=1)
-    with pytest.raises(ValueError, match="staged must be the StagedCopies of "
-                                         "gather_compact_group_start over the same 2 pool"):
-        gather_compact_group_finish([pool, pool], [cache, cache], staged)
-    with pytest.raises(ValueError, match="staged must be the StagedCopies"):
-        gather_compact_group_finish([pool], [cache], plan)
+    with pytest.raises(ValueError, match="copy_programs must be >= 1, got 0"):
+        gather_compact_group([pool], [cache], *plan, copy_programs=0)
+    for bad in (True, 2.0):
+        with pytest.raises(TypeError, match="copy_programs must be a static Python int"):
+            gather_compact_group([pool], [cache], *plan, copy_programs=bad)
     with pytest.raises(ValueError, match="layer 1: row_width mismatch"):   # one per layer:
         gather_compact_group([pool, jax.device_put(np.zeros((8, 2 * W), np.float32),
                                                    pinned_host)], [cache, cache], *plan)

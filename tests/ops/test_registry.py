@@ -120,3 +120,25 @@ def test_implementation_binds_interpret_off_the_gpu():
     fn = _registry.implementation("mirror_rows", "triton")
     assert fn.keywords == {"interpret": not ON_GPU}
     assert _registry.implementation("mirror_rows", "reference").__name__ == "mirror_rows"
+
+
+def test_a_fused_op_runs_where_its_backend_is_registered_else_its_parts():
+    # The fallback rule, stated once in the registry: a fused op runs for None (select then
+    # picks per platform) and for each backend it registers (the deprecated alias counts as
+    # its new name); any other backend runs its parts. Its parts are registered ops.
+    op = "sparse_mla_decode_with_copies"
+    assert set(_registry.FUSED_PARTS) == {op}
+    assert _registry.FUSED_PARTS[op] == ("gather_compact_group", "sparse_mla_decode")
+    for fused, parts in _registry.FUSED_PARTS.items():
+        assert set(parts) <= set(_registry.ops())
+        assert _registry.runs_fused(fused, None) is True
+        for backend in ops.BACKENDS:
+            assert _registry.runs_fused(fused, backend) is (
+                backend in ops.registered_backends(fused)), backend
+    assert _registry.runs_fused(op, "triton") and _registry.runs_fused(op, "reference")
+    assert not _registry.runs_fused(op, "mosaic_gpu")
+    assert _registry.runs_fused(op, "pallas")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _registry.runs_fused(op, "cuda")
+    with pytest.raises(KeyError, match="no fused op 'sparse_mla_decode'"):
+        _registry.runs_fused("sparse_mla_decode", None)

@@ -1,4 +1,6 @@
-"""The residency ops: `resolve_residency` (+ its `Resolution`) and `invalidate_written_rows`.
+"""The hot-region ops: `resolve_residency` (+ its `Resolution`: which device row each selected
+position reads, and the LRU update of the hot region) and `invalidate_written_rows` (drops hot
+copies of rows a step rewrites).
 
 Both are pure (hot state in, hot state out) and jit once per shape; `backend=` picks the
 implementation through `hisparse_jax.ops._registry` (None: the Triton kernel on a GPU, the

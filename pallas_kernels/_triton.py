@@ -10,7 +10,7 @@ Why these kernels use the Triton lowering and not Mosaic GPU (the backend JAX de
     row-at-a-time copies with a scalar start), and its atomics return nothing;
   * `sparse_mla_decode` gathers selected rows as [block_k, 512] tiles with vector loads; the
     Mosaic GPU kernel (`sparse_mla_decode/mosaic_gpu.py`) must move each row as 9 separate
-    TMA copies. Their measured figures are in `bench/NOTES-sparse_mla.md`.
+    TMA copies (the two kernels are compared in `bench/NOTES-sparse_mla.md`).
 When Triton leaves Pallas, the `triton.py` modules are the ones to replace; the jnp
 references stay as the fallback behind the same op interface.
 

@@ -1,4 +1,5 @@
 """sparse_mla_decode: MLA decode attention over selected flat rows of a paged latent KV cache.
 `reference.py` is the jnp definition (and the split combine the kernels share), `triton.py`
-the Pallas kernel through the Triton lowering, `mosaic_gpu.py` a Pallas Mosaic GPU kernel
-(Hopper, jax >= 0.11; import it only there)."""
+the Pallas kernel through the Triton lowering (its program in `triton_body.py`, its K-tile
+readers in `triton_tiles.py`, its split-K combine kernel in `combine.py`), `mosaic_gpu.py` a
+Pallas Mosaic GPU kernel (Hopper, jax >= 0.11; import it only there)."""

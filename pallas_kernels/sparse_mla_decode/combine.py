@@ -3,9 +3,9 @@
 The attention kernel (`triton.py`) cuts each query row's K range into S splits and writes,
 per split, an output normalised within the split and its base-2 log-sum-exp. Merging them
 with `reference.merge_splits` (slice to h_q heads, then `combine_splits`) costs three XLA
-fusions on the GPU, about as long as the attention kernel itself at one or two requests
-(~6.4 us at S = 32, h = 128). This kernel does the same merge in one launch, reading the
-h_pad-wide per-split arrays directly (no slice copy).
+fusions on the GPU, which at one or two requests (many one-step splits) take nearly as long
+as the attention kernel itself (`bench/NOTES-sparse_mla.md`). This kernel does the same
+merge in one launch, reading the h_pad-wide per-split arrays directly (no slice copy).
 
 Contract (that of `reference.merge_splits` for S > 1):
 
@@ -18,19 +18,18 @@ sum_s w_s in float32, lse = (m + log2 sum_s w_s) ln 2. A head whose splits are a
 0 / -inf; a NaN in any split gives NaN / NaN for that head (its weight is NaN, whatever the
 max does with it: the Triton lowering's max drops NaN, the interpreter's keeps it).
 
-Design: grid (T, head blocks of `block_h`, column blocks of `block_v`); a program loads
-its heads' lse2 of every split as one [S', block_h] tile (S' = S rounded up to a power of
-two, the missing splits read as -inf: weight 0) and their outputs as one
-[S', block_h, block_v] tile, then reduces over the split axis: the same operations as the
-jnp reference (only the order of the sums over S may differ), with no chain of dependent
-loads (a first version looped over the splits, one [block_h, block_v] load each: at N = 1,
-h = 128, S = 32 the attention with it took 20.7 us of device time, 15.9 with the XLA fusions;
-with this one 12.2: `bench/NOTES-sparse_mla.md`). The tile holds at most `TILE` values; the
+Design: grid (T, head blocks of `block_h`, column blocks of `block_v`); a program loads its
+heads' lse2 of every split as one [S', block_h] tile (S' = S rounded up to a power of two, the
+missing splits read as -inf: weight 0) and their outputs as one [S', block_h, block_v] tile,
+then reduces over the split axis: the same operations as the jnp reference (only the order of
+the sums over S may differ), with no chain of dependent loads (a version that looped over the
+splits, one [block_h, block_v] load each, was slower than the XLA fusions: each program waited
+on S loads in turn; `bench/NOTES-sparse_mla.md`). The tile holds at most `TILE` values; the
 column blocks are narrowed until about `_triton.TARGET_PROGRAMS` programs share the
 (memory-bound) read of T * S * h * v values, so one or two query rows still use many SMs.
-Every program recomputes its heads' weights and the first column block writes the lse.
-Masked lanes load from index 0 and store to an out-of-range, non-negative index (the
-`_triton.py` convention), both dropped by their masks.
+Every program recomputes its heads' weights and the first column block writes the lse. Masked
+lanes load from index 0 and store to an out-of-range, non-negative index (the `_triton.py`
+convention), both dropped by their masks.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ Design (one CTA per (query row, block of 64 heads, K split)):
   * K splits (flash-decoding) fill the GPU when N * head_blocks is small; the wrapper
     combines the per-split (out, lse) in float32.
   * h_q < 64 is padded to 64 heads (wgmma M = 64): memory-bound there anyway.
+The kernel (`_body`) as stages: the producers' row copies (`_produce`, `_load_tile`); per
+tile the compute warpgroups' scores (`_scores`), online-softmax update (`_softmax_update`)
+and value product (`_accumulate_pv`); then the output (`_write_output`).
 
 `interpret=True` runs the same kernel under Mosaic GPU interpret mode on the CPU (jax 0.11+):
 the only difference is that row copies target the tiled view directly (the interpreter
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -141,6 +145,255 @@ def _choose_splits(num_rows: int, head_blocks: int, num_tiles: int, cfg: TuningC
     return want
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """The static shape of one launch: KV tiles of `bkv` rows, `tiles_per_split` of them per
+    CTA through a `stages`-deep SMEM ring; rows `width` wide (`n_chunks` TMA boxes of
+    `_CHUNK` columns); each compute warpgroup accumulates `v_half` value columns; `n_prod`
+    producer warpgroups copy the rows; `scale2` = sm_scale * log2(e)."""
+
+    tiles_per_split: int
+    stages: int
+    bkv: int
+    width: int
+    n_chunks: int
+    v_half: int
+    dtype: Any
+    n_prod: int
+    scale2: float
+    cfg: TuningConfig
+    interpret: bool
+
+    @property
+    def rows_per_producer(self) -> int:
+        return self.bkv // self.n_prod
+
+
+class _Cta(NamedTuple):
+    """One CTA's grid position (head block, K split, query row; its first KV tile `tile0`)
+    and refs: the operands and outputs in GMEM, then the scratch (`_scratch_types`): Q, then
+    O ([2, 64, v/2], one half per compute warpgroup) in one SMEM union; the KV ring as the
+    tiled view wgmma reads and (on the GPU) the physical view the row copies write; each
+    tile's row ids; the lse staging; the barriers; P's SMEM under the interpreter."""
+
+    hblk: Any
+    split: Any
+    row: Any
+    tile0: Any
+    q_ref: Any
+    kv_ref: Any
+    rows_ref: Any
+    out_ref: Any
+    lse_ref: Any
+    q_smem: Any
+    o_smem2: Any
+    kv_tiled: Any
+    kv_phys: Any
+    idx_smem: Any
+    lse_smem: Any
+    q_bar: Any
+    idx_bar: Any
+    kv_bar: Any
+    consumed_bar: Any
+    done_bar: Any
+    p_scratch: Any
+
+
+def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_union,
+          idx_smem, lse_smem, q_bar, idx_bar, kv_bar, consumed_bar, done_bar, p_scratch=None):
+    """The kernel: warpgroups 0 and 1 compute (`_compute`), the rest copy rows
+    (`_produce`)."""
+    hblk = lax.axis_index("hblk")
+    split = lax.axis_index("split")
+    row = lax.axis_index("row")
+    wg = lax.axis_index("wg")
+    q_smem, o_smem2 = qo_union
+    if lay.interpret:
+        kv_tiled = kv_union
+        kv_phys = None
+    else:
+        kv_tiled, kv_phys = kv_union
+    tile0 = split * lay.tiles_per_split
+    cta = _Cta(hblk, split, row, tile0, q_ref, kv_ref, rows_ref, out_ref, lse_ref, q_smem,
+               o_smem2, kv_tiled, kv_phys, idx_smem, lse_smem, q_bar, idx_bar, kv_bar,
+               consumed_bar, done_bar, p_scratch)
+    for w in range(2):
+        pl.when(wg == w)(functools.partial(_compute, lay, cta, w))
+    for pw in range(lay.n_prod):
+        pl.when(wg == 2 + pw)(functools.partial(_produce, lay, cta, pw))
+
+
+def _compute(lay: _Launch, cta: _Cta, w: int) -> None:
+    """Compute warpgroup w: full S, value columns [w * v_half, (w + 1) * v_half)."""
+    plgpu.set_max_registers(lay.cfg.compute_registers, action="increase")
+
+    @pl.when(w == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(cta.q_ref.at[cta.row, pl.ds(cta.hblk * BLOCK_H, BLOCK_H)],
+                                cta.q_smem, cta.q_bar)
+    plgpu.barrier_wait(cta.q_bar)
+
+    m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), M_INIT, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((BLOCK_H, lay.v_half), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA)
+
+    def step(t, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(t, lay.stages)
+        plgpu.barrier_wait(cta.idx_bar.at[slot])
+        plgpu.barrier_wait(cta.kv_bar.at[slot])
+        s = _scores(lay, cta, slot)
+        p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc)
+        acc = _accumulate_pv(lay, cta, w, slot, p, acc)
+        plgpu.barrier_arrive(cta.consumed_bar.at[slot])
+        return acc, m_new, l_i
+
+    acc, m_i, l_i = lax.fori_loop(0, lay.tiles_per_split, step, (acc, m_i, l_i))
+    _write_output(lay, cta, w, acc, m_i, l_i)
+
+
+def _scores(lay: _Launch, cta: _Cta, slot) -> jax.Array:
+    """S = scale2 * Q K^T of ring slot `slot` ([64, bkv] fp32, contraction over all D), -inf
+    at the masked entries (row id < 0)."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, cta.q_smem, cta.kv_tiled.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, lay.bkv), jnp.float32))
+    ids = plgpu.load(cta.idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    bias = jnp.where(ids >= 0, 0.0, -jnp.inf).astype(jnp.float32)
+    return s * lay.scale2 + lax.broadcast_in_dim(bias, s.shape, [1])
+
+
+def _softmax_update(s, m_i, l_i, acc):
+    """One online-softmax step in base 2: (P, the new running max and sum, acc rescaled)."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, m_new, l_i, acc
+
+
+def _accumulate_pv(lay: _Launch, cta: _Cta, w: int, slot, p, acc):
+    """acc + P V_w: P [64, bkv] in the input dtype times warpgroup w's value columns of the
+    ring slot."""
+    v_ref = cta.kv_tiled.at[slot, :, pl.ds(w * lay.v_half, lay.v_half)]
+    p16 = p.astype(lay.dtype)
+    if lay.interpret:
+        # The interpreter has neither run_state nor register-A wgmma: P goes
+        # through SMEM and the product is added in registers (same math).
+        p_smem = cta.p_scratch.at[w]
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def pv_fresh(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_ref)
+            return acc_ref[...]
+        return acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_H, lay.v_half), jnp.float32))
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_ref)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+def _write_output(lay: _Launch, cta: _Cta, w: int, acc, m_i, l_i) -> None:
+    """Warpgroup w's normalised output columns (and, from warpgroup 0, the base-2 lse) to
+    GMEM through SMEM."""
+    # Both warpgroups are done with Q before Q's SMEM (aliased by o_smem2) holds O.
+    plgpu.barrier_arrive(cta.done_bar)
+    plgpu.barrier_wait(cta.done_bar)
+    inv_l = 1.0 / jnp.maximum(l_i, 1e-30)   # all-masked row: acc = 0, l = 0 -> out 0
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    o_smem = cta.o_smem2.at[w]
+    o_smem[...] = out.astype(lay.dtype)
+    if w == 0:
+        cta.lse_smem[...] = m_i + jnp.log2(l_i)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        o_smem, cta.out_ref.at[cta.row, cta.split, pl.ds(cta.hblk * BLOCK_H, BLOCK_H),
+                               pl.ds(w * lay.v_half, lay.v_half)])
+    if w == 0:
+        plgpu.copy_smem_to_gmem(cta.lse_smem, cta.lse_ref.at[cta.row, cta.split,
+                                                             pl.ds(cta.hblk * BLOCK_H, BLOCK_H)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _produce(lay: _Launch, cta: _Cta, pw: int) -> None:
+    """Producer warpgroup pw: rows pw, pw + n_prod, ... of every tile."""
+    plgpu.set_max_registers(lay.cfg.producer_registers, action="decrease")
+    stages, tiles_per_split = lay.stages, lay.tiles_per_split
+    for t in range(stages):
+        _load_tile(lay, cta, pw, t, t)
+
+    def refill(t, c):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(cta.consumed_bar.at[slot])
+        _load_tile(lay, cta, pw, t, slot)
+        return c
+    lax.fori_loop(stages, tiles_per_split, refill, None)
+    # Observe the last consumption of every slot before exiting (barrier phases are
+    # then balanced; the interpreter checks this, the hardware does not need it).
+    for t in range(max(tiles_per_split - stages, 0), tiles_per_split):
+        plgpu.barrier_wait(cta.consumed_bar.at[t % stages])
+
+
+def _load_tile(lay: _Launch, cta: _Cta, pw: int, t, slot) -> None:
+    """Producer pw's rows of the CTA's tile t into ring slot `slot`: producer 0 first copies
+    the tile's row ids to SMEM; each row moves as `n_chunks` [1, 64] TMA boxes."""
+    if pw == 0:
+        plgpu.copy_gmem_to_smem(cta.rows_ref.at[cta.row, cta.tile0 + t], cta.idx_smem.at[slot],
+                                cta.idx_bar.at[slot])
+    plgpu.barrier_wait(cta.idx_bar.at[slot])
+
+    def copy_row(i, c):
+        j = i * lay.n_prod + pw
+        ident = cta.idx_smem[slot, j]
+        src_row = jnp.maximum(ident, -1 - ident)   # masked -1 - r -> r (selected)
+        for ch in range(lay.n_chunks):
+            src = cta.kv_ref.at[pl.ds(src_row, 1), pl.ds(ch * _CHUNK, _CHUNK)]
+            if cta.kv_phys is None:
+                dst = cta.kv_tiled.at[slot, pl.ds(j, 1), pl.ds(ch * _CHUNK, _CHUNK)]
+            else:
+                dst = cta.kv_phys.at[slot, j // 8, ch, pl.ds(j % 8, 1)]
+            plgpu.copy_gmem_to_smem(src, dst, cta.kv_bar.at[slot])
+        return c
+    lax.fori_loop(0, lay.rows_per_producer, copy_row, None)
+
+
+def _scratch_types(lay: _Launch) -> list:
+    """The kernel's SMEM scratch and barriers, in `_body`'s order."""
+    stages, bkv, width, dtype = lay.stages, lay.bkv, lay.width, lay.dtype
+    swz = plgpu.SwizzleTransform(128)
+    tiled = (plgpu.TilingTransform((8, _CHUNK)), swz)
+    kv_tiled_t = plgpu.SMEM((stages, bkv, width), dtype, transforms=tiled)
+    if lay.interpret:
+        kv_scratch = kv_tiled_t
+    else:
+        kv_phys_t = plgpu.SMEM((stages, bkv // 8, lay.n_chunks, 8, _CHUNK), dtype,
+                               transforms=(swz,))
+        kv_scratch = plgpu.RefUnion(kv_tiled_t, kv_phys_t)
+    scratch = [
+        plgpu.RefUnion(plgpu.SMEM((BLOCK_H, width), dtype, transforms=tiled),        # Q,
+                       plgpu.SMEM((2, BLOCK_H, lay.v_half), dtype, transforms=tiled)),  # then O
+        kv_scratch,
+        plgpu.SMEM((stages, bkv), jnp.int32),                           # row ids of each tile
+        plgpu.SMEM((BLOCK_H,), jnp.float32),                            # lse staging
+        plgpu.Barrier(),                                                # Q landed
+        plgpu.Barrier(num_barriers=stages),                             # row ids landed
+        plgpu.Barrier(num_arrivals=bkv * lay.n_chunks, num_barriers=stages),  # KV tile landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),             # KV tile consumed
+        plgpu.Barrier(num_arrivals=2),                                  # compute done
+    ]
+    if lay.interpret:
+        scratch.append(plgpu.SMEM((2, BLOCK_H, bkv), dtype, transforms=(
+            plgpu.TilingTransform((8, min(bkv, _CHUNK))), plgpu.SwizzleTransform(
+                min(bkv, _CHUNK) * 2))))
+    return scratch
+
+
 def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: int,
                  cfg: TuningConfig, interpret: bool):
     """q [T, Hp, D] (Hp % 64 == 0), kv_rows [R, D], rows3 int32 [T, n_tiles, block_kv].
@@ -153,176 +406,20 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
     head_blocks = h_pad // BLOCK_H
     tiles_per_split = num_tiles // num_splits
     stages = min(cfg.num_stages, tiles_per_split)
-    n_chunks = width // _CHUNK
     smem_bytes = (BLOCK_H * width + stages * bkv * width) * q.dtype.itemsize + 4096
     if smem_bytes > _SMEM_BYTES:
         raise ValueError(f"TuningConfig(block_kv={bkv}, num_stages={stages}) needs about "
                          f"{smem_bytes} B of shared memory at D={width}; the limit is "
                          f"{_SMEM_BYTES}")
-    v_half = v_width // 2
-    dtype = q.dtype
-    n_prod = cfg.producer_wgs
-    rows_per_producer = bkv // n_prod
+    lay = _Launch(tiles_per_split=tiles_per_split, stages=stages, bkv=bkv, width=width,
+                  n_chunks=width // _CHUNK, v_half=v_width // 2, dtype=q.dtype,
+                  n_prod=cfg.producer_wgs, scale2=scale2, cfg=cfg, interpret=interpret)
 
-    def body(q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_union, idx_smem, lse_smem,
-             q_bar, idx_bar, kv_bar, consumed_bar, done_bar, p_scratch=None):
-        hblk = lax.axis_index("hblk")
-        split = lax.axis_index("split")
-        row = lax.axis_index("row")
-        wg = lax.axis_index("wg")
-        q_smem, o_smem2 = qo_union
-        if interpret:
-            kv_tiled = kv_union
-            kv_phys = None
-        else:
-            kv_tiled, kv_phys = kv_union
-        tile0 = split * tiles_per_split
+    def body(*refs):                   # plgpu.kernel names the kernel after its function
+        _body(lay, *refs)
 
-        def compute(w: int):
-            """Compute warpgroup w: full S, value columns [w * v_half, (w + 1) * v_half)."""
-            plgpu.set_max_registers(cfg.compute_registers, action="increase")
-
-            @pl.when(w == 0)
-            def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(hblk * BLOCK_H, BLOCK_H)], q_smem,
-                                        q_bar)
-            plgpu.barrier_wait(q_bar)
-
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), M_INIT, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_H, v_half), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-
-            def step(t, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(t, stages)
-                plgpu.barrier_wait(idx_bar.at[slot])
-                plgpu.barrier_wait(kv_bar.at[slot])
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, kv_tiled.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, bkv), jnp.float32))
-                ids = plgpu.load(idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                bias = jnp.where(ids >= 0, 0.0, -jnp.inf).astype(jnp.float32)
-                s = s * scale2 + lax.broadcast_in_dim(bias, s.shape, [1])
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-                v_ref = kv_tiled.at[slot, :, pl.ds(w * v_half, v_half)]
-                p16 = p.astype(dtype)
-                if interpret:
-                    # The interpreter has neither run_state nor register-A wgmma: P goes
-                    # through SMEM and the product is added in registers (same math).
-                    p_smem = p_scratch.at[w]
-                    p_smem[...] = p16
-                    plgpu.commit_smem()
-
-                    def pv_fresh(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem, v_ref)
-                        return acc_ref[...]
-                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_H, v_half), jnp.float32))
-                else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_ref)
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(consumed_bar.at[slot])
-                return acc, m_new, l_i
-
-            acc, m_i, l_i = lax.fori_loop(0, tiles_per_split, step, (acc, m_i, l_i))
-
-            # Both warpgroups are done with Q before Q's SMEM (aliased by o_smem2) holds O.
-            plgpu.barrier_arrive(done_bar)
-            plgpu.barrier_wait(done_bar)
-            inv_l = 1.0 / jnp.maximum(l_i, 1e-30)   # all-masked row: acc = 0, l = 0 -> out 0
-            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-            o_smem = o_smem2.at[w]
-            o_smem[...] = out.astype(dtype)
-            if w == 0:
-                lse_smem[...] = m_i + jnp.log2(l_i)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem,
-                out_ref.at[row, split, pl.ds(hblk * BLOCK_H, BLOCK_H), pl.ds(w * v_half, v_half)])
-            if w == 0:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, split, pl.ds(hblk * BLOCK_H,
-                                                                                 BLOCK_H)])
-            plgpu.wait_smem_to_gmem(0)
-
-        def produce(pw: int):
-            """Producer warpgroup pw: rows pw, pw + n_prod, ... of every tile."""
-            plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-
-            def load_tile(t, slot):
-                if pw == 0:
-                    plgpu.copy_gmem_to_smem(rows_ref.at[row, tile0 + t], idx_smem.at[slot],
-                                            idx_bar.at[slot])
-                plgpu.barrier_wait(idx_bar.at[slot])
-
-                def copy_row(i, c):
-                    j = i * n_prod + pw
-                    ident = idx_smem[slot, j]
-                    src_row = jnp.maximum(ident, -1 - ident)   # masked -1 - r -> r (selected)
-                    for ch in range(n_chunks):
-                        src = kv_ref.at[pl.ds(src_row, 1), pl.ds(ch * _CHUNK, _CHUNK)]
-                        if kv_phys is None:
-                            dst = kv_tiled.at[slot, pl.ds(j, 1), pl.ds(ch * _CHUNK, _CHUNK)]
-                        else:
-                            dst = kv_phys.at[slot, j // 8, ch, pl.ds(j % 8, 1)]
-                        plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot])
-                    return c
-                lax.fori_loop(0, rows_per_producer, copy_row, None)
-
-            for t in range(stages):
-                load_tile(t, t)
-
-            def refill(t, c):
-                slot = lax.rem(t, stages)
-                plgpu.barrier_wait(consumed_bar.at[slot])
-                load_tile(t, slot)
-                return c
-            lax.fori_loop(stages, tiles_per_split, refill, None)
-            # Observe the last consumption of every slot before exiting (barrier phases are
-            # then balanced; the interpreter checks this, the hardware does not need it).
-            for t in range(max(tiles_per_split - stages, 0), tiles_per_split):
-                plgpu.barrier_wait(consumed_bar.at[t % stages])
-
-        for w in range(2):
-            pl.when(wg == w)(functools.partial(compute, w))
-        for pw in range(n_prod):
-            pl.when(wg == 2 + pw)(functools.partial(produce, pw))
-
-    swz = plgpu.SwizzleTransform(128)
-    tiled = (plgpu.TilingTransform((8, _CHUNK)), swz)
-    kv_tiled_t = plgpu.SMEM((stages, bkv, width), dtype, transforms=tiled)
-    if interpret:
-        kv_scratch = kv_tiled_t
-    else:
-        kv_phys_t = plgpu.SMEM((stages, bkv // 8, n_chunks, 8, _CHUNK), dtype, transforms=(swz,))
-        kv_scratch = plgpu.RefUnion(kv_tiled_t, kv_phys_t)
-    scratch = [
-        plgpu.RefUnion(plgpu.SMEM((BLOCK_H, width), dtype, transforms=tiled),        # Q,
-                       plgpu.SMEM((2, BLOCK_H, v_half), dtype, transforms=tiled)),  # then O
-        kv_scratch,
-        plgpu.SMEM((stages, bkv), jnp.int32),                           # row ids of each tile
-        plgpu.SMEM((BLOCK_H,), jnp.float32),                            # lse staging
-        plgpu.Barrier(),                                                # Q landed
-        plgpu.Barrier(num_barriers=stages),                             # row ids landed
-        plgpu.Barrier(num_arrivals=bkv * n_chunks, num_barriers=stages),  # KV tile landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),             # KV tile consumed
-        plgpu.Barrier(num_arrivals=2),                                  # compute done
-    ]
-    if interpret:
-        scratch.append(plgpu.SMEM((2, BLOCK_H, bkv), dtype, transforms=(
-            plgpu.TilingTransform((8, min(bkv, _CHUNK))), plgpu.SwizzleTransform(
-                min(bkv, _CHUNK) * 2))))
     out_type = (
-        jax.ShapeDtypeStruct((num_rows, num_splits, h_pad, v_width), dtype),
+        jax.ShapeDtypeStruct((num_rows, num_splits, h_pad, v_width), q.dtype),
         jax.ShapeDtypeStruct((num_rows, num_splits, h_pad), jnp.float32),
     )
     kwargs = {}
@@ -331,10 +428,10 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        scratch_types=scratch,
+        scratch_types=_scratch_types(lay),
         grid=(head_blocks, num_splits, num_rows),
         grid_names=("hblk", "split", "row"),
-        num_threads=2 + n_prod,
+        num_threads=2 + lay.n_prod,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,

@@ -21,11 +21,11 @@ one-launch kernel of `combine.py` (`AttentionTuning.fused_combine`; else by
 `reference.merge_splits`).
 
 fp8 rows (`kv_format="fp8_ds_mla"`, uint8[656], layout in `pallas_kernels/kv_format.py`): the
-same program and online softmax; only the K-tile read differs (`_read_fp8_rows`): the latent
-arrives as byte tiles converted in registers (float8_e4m3fn -> bf16 is exact), the 4 float32
-scales and the 64 bf16 rope values are assembled from their bytes with integer shifts and
-same-width bitcasts (the Triton lowering bitcasts only between equal widths; how the bytes are
-taken apart: `AttentionTuning.fp8_words`). Where the scales enter is
+same program and online softmax; only the K-tile read differs (`triton_tiles.read_fp8_rows`):
+the latent arrives as byte tiles converted in registers (float8_e4m3fn -> bf16 is exact), the 4
+float32 scales and the 64 bf16 rope values are assembled from their bytes with integer shifts
+and same-width bitcasts (the Triton lowering bitcasts only between equal widths; how the bytes
+are taken apart: `AttentionTuning.fp8_words`). Where the scales enter is
 `AttentionTuning.fp8_scale`: by default ("scores") per row, not per element: group g's partial
 score q_g . k_g is multiplied by scale_g (a [block_k] vector broadcast over the heads), and P
 times scale_g feeds group g's value product, whose [block_h, 128] accumulator is one of four,
@@ -37,6 +37,10 @@ are rounded), so the dots and the conversion of P are those of bf16 rows.
 group's copies from host (`gather_compact.triton`'s kernel): the launch's first P programs
 loop over the copy plan, the others are the attention's programs in their grid order, so the
 copies (bound by PCIe) overlap the attention (bound by HBM and the tensor cores) on the GPU.
+
+This module plans the launch (tuning, K splits, padding) and merges the splits; the program
+itself is `triton_body.attention_kernel`, the K-tile readers of each row format are in
+`triton_tiles.py`.
 """
 
 from __future__ import annotations
@@ -47,15 +51,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _compat, _triton
 from pallas_kernels import kv_format as kvf
 from pallas_kernels.gather_compact import triton as gather_triton
 from pallas_kernels.sparse_mla_decode import combine
-from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
+from pallas_kernels.sparse_mla_decode import triton_tiles as tiles
+from pallas_kernels.sparse_mla_decode.reference import LOG2E, merge_splits, pad_operands
+from pallas_kernels.sparse_mla_decode.triton_body import attention_kernel
 
 FP8_WORDS = ("contiguous", "strided", "split")
 FP8_SCALE = ("scores", "tiles", "tile512")
@@ -79,24 +83,24 @@ class AttentionTuning:
       the tile to the next step; meant with num_stages=1 (Triton's pipeliner off). Implies
       the id prefetch. Same arithmetic in the same order as without.
     fp8_words: how "fp8_ds_mla" rows' scale (float32) and rope (bf16) words are assembled from
-      their bytes (`_load_words`): "contiguous" (one 16-byte-aligned load per row, reshaped
-      to [block_k, words, bytes] and combined with a sum), "strided" (one strided load per
-      byte position, no 3-D reshape) or "split" (the contiguous load, its byte pairs taken
-      apart with `lax.unstack` of a trailing size-2 axis, Triton's `split`: no reduction;
-      the per-group scales come out of the [block_k, 4] tile the same way, not through
-      masked sums). Ignored for "bf16" rows.
-    fp8_scale: where "fp8_ds_mla" rows' per-group scales enter (`_read_fp8_rows`): "scores"
-      (the bf16 tiles are the stored fp8 values; group g's partial scores and the P of its
-      value product are multiplied by scale g: 4 + 4 dots, P converted per group), "tiles"
-      (each [block_k, 128] group tile is multiplied by its scale and rounded to bf16 once:
-      4 score dots summed unscaled, 4 value dots sharing one bf16 P) or "tile512" (the same
-      as one [block_k, 512] tile: one score dot of K = 512 and one value dot of N = 512).
+      their bytes (`triton_tiles._load_words`): "contiguous" (one 16-byte-aligned load per
+      row, reshaped to [block_k, words, bytes] and combined with a sum), "strided" (one
+      strided load per byte position, no 3-D reshape) or "split" (the contiguous load, its
+      byte pairs taken apart with `lax.unstack` of a trailing size-2 axis, Triton's `split`:
+      no reduction; the per-group scales come out of the [block_k, 4] tile the same way, not
+      through masked sums). Ignored for "bf16" rows.
+    fp8_scale: where "fp8_ds_mla" rows' per-group scales enter (`triton_tiles.read_fp8_rows`):
+      "scores" (the bf16 tiles are the stored fp8 values; group g's partial scores and the P
+      of its value product are multiplied by scale g: 4 + 4 dots, P converted per group),
+      "tiles" (each [block_k, 128] group tile is multiplied by its scale and rounded to bf16
+      once: 4 score dots summed unscaled, 4 value dots sharing one bf16 P) or "tile512" (the
+      same as one [block_k, 512] tile: one score dot of K = 512 and one value dot of N = 512).
       "tiles" and "tile512" round the dequantized values to bf16, as bf16 rows are.
     fused_combine: merge the K splits with the one-launch Pallas kernel of `combine.py`;
       False runs the jnp `reference.merge_splits` (three XLA fusions on the GPU), kept for
       benchmarking against it. No effect with one split.
-    The field defaults are the fp8 sweep's choice below 64 heads; the kernel's default for
-    bf16 rows is `DEFAULT` (`bench/NOTES-sparse_mla.md`).
+    The field defaults are the kernel's default for fp8_ds_mla rows below 64 heads
+    (`DEFAULT_FP8`); its default for bf16 rows is `DEFAULT`.
     """
 
     block_h: int | None = None
@@ -135,30 +139,15 @@ class AttentionTuning:
 
 
 # bf16 rows: 64-row K tiles, 2 stages, Triton's own pipelining of the indirect load (no id
-# carry): in both sweeps of 2026-12-02 the fastest at h_q = 16 and the fastest or tied at
-# h_q = 128 (`bench/NOTES-sparse_mla.md`). fp8_ds_mla rows with h_q < 64 keep
-# `AttentionTuning()` (32-row tiles, 3 stages, id carry), their sweep's choice.
+# carry): the fastest bf16 configuration, or tied for it, at few and at many heads in the
+# sweep recorded in `bench/NOTES-sparse_mla.md`. fp8_ds_mla rows with h_q < 64 keep
+# `AttentionTuning()` (32-row tiles, 3 stages, id carry), the choice of their own sweep.
 DEFAULT = AttentionTuning(block_k=64, num_stages=2, prefetch_ids=False)
 DEFAULT_FP8 = AttentionTuning()
 # fp8_ds_mla rows with 64 heads or more per program: scales folded into the tiles and the
-# words split from byte pairs (the fastest fp8 candidate of bench/ops/sparse_mla_decode.py at
-# h_q = 128; at h_q = 16 the default measured faster).
+# words split from byte pairs (the fastest fp8 candidate of `bench/ops/sparse_mla_decode.py`
+# with that many heads; with few heads `DEFAULT_FP8` is faster: `bench/NOTES-sparse_mla.md`).
 DEFAULT_FP8_WIDE = AttentionTuning(fp8_words="split", fp8_scale="tiles")
-
-
-def _row_pieces(width: int, v_width: int) -> tuple[tuple[int, int], ...] | None:
-    """(start, size) power-of-two column pieces of a row whose first piece is the value
-    (0, v_width); None when the row cannot be cut so (576, 512 -> (0, 512), (512, 64))."""
-    if not _triton.is_pow2(v_width) or v_width < 16:
-        return None
-    pieces, start = [(0, v_width)], v_width
-    while start < width:
-        size = 1 << ((width - start).bit_length() - 1)
-        if size < 16:          # a dot needs K >= 16
-            return None
-        pieces.append((start, size))
-        start += size
-    return tuple(pieces)
 
 
 def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
@@ -193,258 +182,11 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
         return None
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the triton kernel needs bfloat16 or float16 inputs, got {q.dtype}"
-    if _row_pieces(width, v_width) is None:
+    if tiles.float_pieces(width, v_width) is None:
         return (f"the triton kernel needs v_width a power of two >= 16 and the rest of the row "
                 f"(D - v_width = {width - v_width}) made of power-of-two pieces >= 16; "
                 f"got D={width}, v_width={v_width}")
     return None
-
-
-# ----------------------------------------------------------------- reading one K tile of rows
-#
-# A reader gets `load(cols)`, which returns columns `cols` [1, w] of the selected rows of one
-# K step as a [block_k, w] tile (`_masked_load` with the step's rows bound), and returns
-# (keys, key_scales, values):
-#   keys[j]        [block_k, size_j] tile in q's dtype, contracted with q's piece j
-#                  (`_q_pieces`: the same column pieces, in order);
-#   key_scales[j]  float32 [block_k] per-row factor of that piece's scores, or None;
-#   values[i]      (tile [block_k, size_i], float32 [block_k] per-row factor or None):
-#                  acc_i += (P * factor) @ tile, stored at the output columns of
-#                  `_value_pieces(...)[i]`.
-# Masked lanes (valid False) load zeros: a row no entry selects is never read.
-
-
-def _masked_load(kv_ref, safe, valid, cols):
-    """[block_k, len(cols)] of kv_ref at rows `safe` [block_k, 1], columns `cols` [1, w];
-    zeros where `valid` [block_k] is False."""
-    shape = (safe.shape[0], cols.shape[1])
-    return plgpu.load(kv_ref.at[safe, cols], mask=jnp.broadcast_to(valid[:, None], shape),
-                      other=0)
-
-
-def _cols(start: int, size: int):
-    """int32 [1, size]: columns start .. start + size - 1."""
-    return (start + jnp.arange(size, dtype=jnp.int32))[None, :]
-
-
-def _read_float_rows(load, *, pieces):
-    """"bf16" rows: the row's power-of-two pieces as they are; the value is piece 0."""
-    keys = [load(_cols(start, size)) for start, size in pieces]
-    return keys, [None] * len(keys), [(keys[0], None)]
-
-
-def _halves(x):
-    """x [..., 2n] -> (x[..., 0::2], x[..., 1::2]), each [..., n]: a reshape to [..., n, 2]
-    and `lax.unstack` of the trailing pair (Triton's `split`, no reduction)."""
-    return lax.unstack(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1)
-
-
-def _load_words(load, start: int, count: int, nbytes: int, dtype, how: str):
-    """unsigned `dtype` [block_k, count]: the little-endian words of `nbytes` bytes each at
-    bytes [start, start + count * nbytes) of the selected rows (zeros where masked).
-
-    "contiguous": one [block_k, count * nbytes] load (a 16-byte-aligned run per row, so it
-    vectorises), reshaped to [block_k, count, nbytes], widened, each byte shifted into place
-    and the disjoint bytes summed. "strided": one [block_k, count] load per byte position b
-    (columns start + nbytes * j + b), widened, shifted and OR-ed: no 3-D reshape, but byte
-    loads. "split": the contiguous load, its bytes taken apart by position with `_halves`
-    (nbytes 2 or 4), widened, shifted and OR-ed: no reduction. The caller bitcasts the words
-    to their float type (the Triton lowering bitcasts only between equal widths).
-    """
-    if how == "split":
-        tile = load(_cols(start, count * nbytes))
-        # parts[j] holds the bytes at positions = j (mod len(parts)) of each word: halving
-        # every part doubles the modulus, ending at parts[b] = byte b of every word.
-        parts = [tile]
-        while len(parts) < nbytes:
-            halves = [_halves(p) for p in parts]
-            parts = [h[0] for h in halves] + [h[1] for h in halves]
-        word = None
-        for b, part in enumerate(parts):
-            shifted = part.astype(dtype) << dtype(8 * b)
-            word = shifted if word is None else word | shifted
-        return word
-    if how == "contiguous":
-        tile = load(_cols(start, count * nbytes))
-        parts = tile.reshape(tile.shape[0], count, nbytes).astype(dtype)
-        shifts = (8 * jnp.arange(nbytes, dtype=jnp.int32)).astype(dtype)[None, None, :]
-        return jnp.sum(parts << shifts, axis=2, dtype=dtype)
-    word = None
-    for b in range(nbytes):
-        cols = (start + b + nbytes * jnp.arange(count, dtype=jnp.int32))[None, :]
-        part = load(cols).astype(dtype) << dtype(8 * b)
-        word = part if word is None else word | part
-    return word
-
-
-def _scale_columns(scale_tile, how: str):
-    """float32 [block_k, 4] -> the 4 per-group scales, each float32 [block_k]: `_halves`
-    twice ("split") or a masked row sum per group (the other word modes)."""
-    if how == "split":
-        even, odd = _halves(scale_tile)                  # groups (0, 2) and (1, 3)
-        (s0, s2), (s1, s3) = _halves(even), _halves(odd)
-        return [s0[:, 0], s1[:, 0], s2[:, 0], s3[:, 0]]
-    group = jnp.arange(kvf.NUM_GROUPS, dtype=jnp.int32)[None, :]
-    return [jnp.sum(jnp.where(group == g, scale_tile, 0.0), axis=1)
-            for g in range(kvf.NUM_GROUPS)]
-
-
-def _read_fp8_rows(load, *, value_groups, words, scale):
-    """"fp8_ds_mla" rows (uint8[656], `pallas_kernels/kv_format.py`), decoded in registers:
-
-    * latent: bytes [0, 512), bitcast to float8_e4m3fn;
-    * scales: bytes [512, 528) as 4 uint32 words per row (`_load_words`), bitcast to float32
-      ([block_k, 4]; per group a [block_k] vector, `_scale_columns`);
-    * rope: bytes [528, 656) as 64 uint16 words per row, bitcast to bfloat16.
-    The latent loads are contiguous runs at 16-byte-aligned offsets (656 = 16 * 41), so they
-    vectorise. `scale` (`AttentionTuning.fp8_scale`):
-    "scores": four [block_k, 128] group tiles converted to bfloat16 (exact: every e4m3 value
-      is a bf16 value), never multiplied: group g's scores and the P fed to group g's value
-      product are scaled per row instead (`_attention_kernel`);
-    "tiles": each group tile times its scale in float32, rounded to bfloat16 once: four key
-      tiles without factors, the same four as values;
-    "tile512": one [block_k, 512] byte tile, scaled as [block_k, 4, 128] by the [block_k, 4]
-      scales, rounded to bfloat16: one latent key tile, also the value (v_width 512 only:
-      `_fp8_scale_mode` picks "tiles" for narrower values).
-    """
-    scale_tile = lax.bitcast_convert_type(
-        _load_words(load, kvf.SCALE_OFFSET, kvf.NUM_GROUPS, 4, jnp.uint32,
-                    words), jnp.float32)                                 # [block_k, 4]
-    rope = lax.bitcast_convert_type(
-        _load_words(load, kvf.ROPE_OFFSET, kvf.ROPE_DIM, 2, jnp.uint16, words),
-        jnp.bfloat16)                                                    # [block_k, 64]
-    if scale == "tile512":
-        fp8 = lax.bitcast_convert_type(
-            load(_cols(0, kvf.LATENT_DIM)), jnp.float8_e4m3fn)
-        bk = fp8.shape[0]
-        latent = (fp8.astype(jnp.float32).reshape(bk, kvf.NUM_GROUPS, kvf.GROUP)
-                  * scale_tile[:, :, None]).reshape(bk, kvf.LATENT_DIM).astype(jnp.bfloat16)
-        return [latent, rope], [None, None], [(latent, None)]
-    fp8 = [lax.bitcast_convert_type(
-        load(_cols(g * kvf.GROUP, kvf.GROUP)),
-        jnp.float8_e4m3fn) for g in range(kvf.NUM_GROUPS)]
-    scales = _scale_columns(scale_tile, words)
-    if scale == "tiles":
-        latent = [(fp8[g].astype(jnp.float32) * scales[g][:, None]).astype(jnp.bfloat16)
-                  for g in range(kvf.NUM_GROUPS)]
-        values = [(latent[g], None) for g in range(value_groups)]
-        return [*latent, rope], [None] * (kvf.NUM_GROUPS + 1), values
-    latent = [f.astype(jnp.bfloat16) for f in fp8]
-    values = [(latent[g], scales[g]) for g in range(value_groups)]
-    return [*latent, rope], [*scales, None], values
-
-
-def _q_pieces(width: int, v_width: int, kv_format: str,
-              fp8_scale: str = "scores") -> tuple[tuple[int, int], ...]:
-    """(start, size) column pieces of q, one per key tile of the format's reader."""
-    if kv_format == kvf.FP8_DS_MLA:
-        if fp8_scale == "tile512":
-            return ((0, kvf.LATENT_DIM), (kvf.LATENT_DIM, kvf.ROPE_DIM))
-        return (*((g * kvf.GROUP, kvf.GROUP) for g in range(kvf.NUM_GROUPS)),
-                (kvf.LATENT_DIM, kvf.ROPE_DIM))
-    return _row_pieces(width, v_width)
-
-
-def _value_pieces(v_width: int, kv_format: str,
-                  fp8_scale: str = "scores") -> tuple[tuple[int, int], ...]:
-    """(output column, size) of each value tile of the format's reader."""
-    if kv_format == kvf.FP8_DS_MLA and fp8_scale != "tile512":
-        return tuple((g * kvf.GROUP, kvf.GROUP) for g in range(v_width // kvf.GROUP))
-    return ((0, v_width),)
-
-
-def _attention_kernel(q_ref, kv_ref, rows_ref, out_ref, lse_ref, *, block_h, block_k, steps,
-                      q_pieces, v_pieces, read, scale2, prefetch_ids, prefetch_tiles=False,
-                      ids=None):
-    """Program (head block hb, split s, query row t): q_ref [T, Hp, D], kv_ref [R, row]
-    (row = D values, or 656 bytes), rows_ref [T, Kp] (Kp = splits * steps * block_k, -1
-    padded); `read` is `_read_float_rows` or `_read_fp8_rows` with its knobs bound, q_pieces
-    the (start, size) q columns of its key tiles, v_pieces the (column, size) output columns
-    of its value tiles. Writes out_ref [T, S, Hp, v] (normalised within the split) and
-    lse_ref [T, S, Hp] (base 2). ids: (hb, s, t) when another kernel runs these programs as
-    part of its grid (`_with_copies_kernel`)."""
-    if ids is None:
-        ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hb, s, t = ids
-    heads = (hb * block_h + jnp.arange(block_h, dtype=jnp.int32))[:, None]
-    qs = [plgpu.load(q_ref.at[t, heads, _cols(start, size)]) for start, size in q_pieces]
-    dims = (((1,), (1,)), ((), ()))          # contract the column dims: q k^T
-
-    def load_ids(i):
-        k = (s * steps + i) * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        return plgpu.load(rows_ref.at[t, k])
-
-    def gather(ids):
-        valid = ids >= 0
-        return valid, read(functools.partial(_masked_load, kv_ref,
-                                             jnp.where(valid, ids, 0)[:, None], valid))
-
-    def step(i, carry):
-        if prefetch_tiles:
-            # Step i's tile was gathered during step i - 1 (loop carry); the gather of step
-            # i + 1's tile and the load of step i + 2's ids are issued before this step's
-            # dots, so their latency overlaps them (the last steps reload, harmlessly).
-            accs, m_i, l_i, (valid, tiles), ids_next = carry
-            carry_next = (gather(ids_next), load_ids(jnp.minimum(i + 2, steps - 1)))
-        elif prefetch_ids:
-            # The ids of step i came with step i - 1 (loop carry): the K-tile gather's
-            # addresses are ready at the top of the step, and the load of the next step's ids
-            # is issued before it (the last step reloads its own ids, harmlessly).
-            accs, m_i, l_i, ids = carry
-            ids_next = load_ids(jnp.minimum(i + 1, steps - 1))
-            valid, tiles = gather(ids)
-        else:
-            accs, m_i, l_i = carry
-            valid, tiles = gather(load_ids(i))
-        keys, key_scales, values = tiles
-        scores = None
-        for qp, kp, ks in zip(qs, keys, key_scales, strict=True):
-            part = lax.dot_general(qp, kp, dims, preferred_element_type=jnp.float32)
-            if ks is not None:
-                part = part * ks[None, :]
-            scores = part if scores is None else scores + part
-        scores = jnp.where(valid[None, :], scores * scale2, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(scores, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        p_cast = {}                      # unscaled P, converted once per operand dtype
-
-        def p_for(tile, vs):
-            if vs is not None:
-                return (p * vs[None, :]).astype(tile.dtype)
-            if tile.dtype not in p_cast:
-                p_cast[tile.dtype] = p.astype(tile.dtype)
-            return p_cast[tile.dtype]
-
-        accs = tuple(
-            acc * alpha[:, None] + lax.dot_general(
-                p_for(tile, vs), tile, (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32)
-            for acc, (tile, vs) in zip(accs, values, strict=True))
-        if prefetch_tiles:
-            return (accs, m_new, l_i, *carry_next)
-        if prefetch_ids:
-            return accs, m_new, l_i, ids_next
-        return accs, m_new, l_i
-
-    carry = (tuple(jnp.zeros((block_h, size), jnp.float32) for _, size in v_pieces),
-             jnp.full((block_h,), M_INIT, jnp.float32),
-             jnp.zeros((block_h,), jnp.float32))
-    if prefetch_tiles:
-        carry = (*carry, gather(load_ids(0)), load_ids(jnp.minimum(1, steps - 1)))
-    elif prefetch_ids:
-        carry = (*carry, load_ids(0))
-    accs, m_i, l_i = lax.fori_loop(0, steps, step, carry)[:3]
-    # l_i is 0 exactly when the split has no valid entry (then acc = 0: out 0, lse -inf); a
-    # NaN score (NaN query) makes l_i NaN, which both formulas pass on (no max() that might
-    # drop a NaN: out NaN, lse NaN).
-    empty = l_i == 0.0
-    inv = jnp.where(empty, 1.0, l_i)[:, None]
-    for acc, (col, size) in zip(accs, v_pieces, strict=True):
-        plgpu.store(out_ref.at[t, s, heads, _cols(col, size)], (acc / inv).astype(out_ref.dtype))
-    lse2 = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
-    plgpu.store(lse_ref.at[t, s, heads[:, 0]], lse2)
 
 
 def _fp8_scale_mode(cfg: AttentionTuning, v_width: int) -> str:
@@ -458,10 +200,11 @@ def _fp8_scale_mode(cfg: AttentionTuning, v_width: int) -> str:
 def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> int:
     """K splits per (row, head block): `cfg.num_splits`, else about two waves of programs
     with at least 4 K steps per split, or down to one step when 4-step splits would still
-    leave the grid under a quarter of the SMs (one to two requests decoding: at N=1,
-    h_q=128, K=2048 on the H200 32 splits of one step take 16.0 us of device time with the
-    combine, the 8 four-step splits 26.5 us; `bench/attention_splits.py`). Always a divisor
-    of the `num_chunks` steps (no all-padding step)."""
+    leave the grid under a quarter of the SMs (one to two requests decoding: with so few
+    programs the time is one program's chain of dependent K steps, which one-step splits
+    cut, at the price of more partial rows to combine; `bench/attention_splits.py` measures
+    it, `bench/NOTES-sparse_mla.md` has the figures). Always a divisor of the `num_chunks`
+    steps (no all-padding step)."""
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
@@ -472,7 +215,6 @@ def _attention_splits(programs: int, num_chunks: int, cfg: AttentionTuning) -> i
     while num_chunks % want:                            # no all-padding steps
         want -= 1
     return want
-
 
 
 def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
@@ -492,10 +234,10 @@ def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
         raise ValueError(reason)
     fp8_scale = _fp8_scale_mode(cfg, v_width)
     if kv_format == kvf.FP8_DS_MLA:
-        read = functools.partial(_read_fp8_rows, value_groups=v_width // kvf.GROUP,
+        read = functools.partial(tiles.read_fp8_rows, value_groups=v_width // kvf.GROUP,
                                  words=cfg.fp8_words, scale=fp8_scale)
     else:
-        read = functools.partial(_read_float_rows, pieces=_row_pieces(width, v_width))
+        read = functools.partial(tiles.read_float_rows, pieces=tiles.float_pieces(width, v_width))
     block_h = cfg.block_h or min(64, max(16, _triton.pow2_ceil(h_q)))
     num_warps = cfg.num_warps or (8 if block_h >= 64 else 4)
     bk = cfg.block_k
@@ -505,9 +247,9 @@ def _plan(q, kv_rows, attention_rows, *, sm_scale, v_width, kv_format, tuning):
     splits = _attention_splits(num_rows * head_blocks, num_chunks, cfg)
     steps = pl.cdiv(num_chunks, splits)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, splits * steps * bk)
-    kernel = functools.partial(_attention_kernel, block_h=block_h, block_k=bk, steps=steps,
-                               q_pieces=_q_pieces(width, v_width, kv_format, fp8_scale),
-                               v_pieces=_value_pieces(v_width, kv_format, fp8_scale),
+    kernel = functools.partial(attention_kernel, block_h=block_h, block_k=bk, steps=steps,
+                               q_pieces=tiles.q_pieces(width, v_width, kv_format, fp8_scale),
+                               v_pieces=tiles.value_pieces(v_width, kv_format, fp8_scale),
                                read=read,
                                scale2=float(sm_scale) * LOG2E, prefetch_ids=cfg.prefetch_ids,
                                prefetch_tiles=cfg.prefetch_tiles)

@@ -38,7 +38,7 @@ bytes host -> device per step and host pool bytes per request, and adds the rati
     python3 -m bench.e2e_decode                                   # the full sweep (GPU)
     python3 -m bench.e2e_decode --config tiny --context 2048 --concurrency 1,4 \\
         --block-size 16 --measure-steps 8                         # a CPU smoke run
-    python3 -m bench.e2e_decode --plot-only bench/results/e2e_decode-gpu.json
+    python3 -m bench.e2e_decode --plot-only bench/results/e2e_decode-async-s20-gpu.json
     python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident \\
         --concurrency 1,64,256 --turnover-sweep ""                # fp8 against bf16 rows (GPU)
 """
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(packed, the engine's default) or one per layer")
     p.add_argument("--no-position-map", action="store_true",
                    help="hot states without the position map: resolve searches the hot region "
-                        "(the rule before 2026-12-04)")
+                        "(the search rule)")
     add_copy_flags(p)
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "

@@ -4,7 +4,7 @@
 
 The engine's step at 256 requests gathers its misses (2 layers of ~27K rows) from a ~19 GB
 pool at ~32 GB/s while the same kernel on one layer's rows from the op benchmark's 604 MB
-pool runs at ~51 GB/s (Nsight Compute, 2026-12-02; `bench/NOTES-data_plane.md`). This
+pool runs at ~51 GB/s (Nsight Compute; `bench/NOTES-data_plane.md`). This
 benchmark times the gather of `--rows` distinct random rows (batch rows of 2048 misses) as
 device time: `--reps` gathers chained in one jit, each with its own random rows (no row is
 read twice, so no L2 reuse), the wall divided by the count. Cases:

@@ -96,7 +96,7 @@ run_step() {  # name, time limit in s, command...
       # (EngineConfig.copy_with_attention): its tests compiled, the kernel benchmark, the async
       # profile at 256 with and without it (BESIDE_PROFILES: beside, main; beside-pP: P copy
       # programs), then E2E_BESIDE HiSparse / all-resident pairs at 1 and 256 with it (the
-      # default since session 19; main: --no-copy-with-attention).
+      # default; main: --no-copy-with-attention).
       beside)
         tag=${BESIDE_TAG:-beside}
         HISPARSE_EXAMPLES=${HISPARSE_EXAMPLES:-10} run_step beside_tests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_sparse_mla_decode_with_copies.py tests/test_cache.py tests/test_engine.py -k "with_copies or beside or gpu_at_the_engines"

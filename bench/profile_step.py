@@ -50,7 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import e2e_decode as e2e  # noqa: E402
-from bench._common import RESULTS_DIR, write_result  # noqa: E402
+from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
 from hisparse_jax import nn  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
@@ -425,7 +425,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
     p.add_argument("--mode", default="hisparse", choices=e2e.MODES)
     p.add_argument("--concurrency", type=int, default=256)

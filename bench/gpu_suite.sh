@@ -25,7 +25,8 @@
 #        beside (EngineConfig.copy_with_attention: tests, the kernel benchmark, profiles at 256
 #        with and without, e2e pairs with it), ab_async (alternating e2e pairs at 1 and 256 for
 #        .baseline/ and this tree, async; this tree's profiles at 1 and 256; pairs at 1 request),
-#        sweep_async (the e2e benchmark's full sweep and plot with asynchronous scheduling)
+#        sweep_async (the e2e benchmark's full sweep and plot with asynchronous scheduling),
+#        house_ab (decode checks and e2e pairs for .baseline/ and this tree, alternating)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -128,6 +129,29 @@ run_step() {  # name, time limit in s, command...
         done
         for i in $(seq 1 "${AB_REPEAT1:-3}"); do
           run_step "e2e_repeat1_$i" 150 python3 -m bench.e2e_decode --async-scheduling --concurrency 1 --modes hisparse,all-resident --turnover-sweep= --no-plot --output "bench/results/e2e_decode-repeat1-async-$tag-$i-gpu.json"
+        done ;;
+      # A restructuring's check, in one call: the decode example's --check (bf16 and fp8 rows)
+      # for the code in .baseline/ (when present) and for this tree, their tokens compared
+      # across the trees, then HOUSE_PAIRS rounds of a HiSparse / all-resident e2e pair at 1
+      # and 256 requests (asynchronous scheduling), before and after alternating.
+      house_ab)
+        dec=(examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check)
+        for fmt in bf16 fp8_ds_mla; do
+          if [ -d .baseline ]; then
+            run_step "decode_${fmt}_before" 150 bash -c "cd .baseline && PYTHONPATH=. python3 ${dec[*]} --kv-format $fmt --json $OUT/decode-$fmt-before.json"
+          fi
+          run_step "decode_${fmt}_after" 150 python3 "${dec[@]}" --kv-format "$fmt" --json "$OUT/decode-$fmt-after.json"
+          if [ -d .baseline ]; then
+            run_step "decode_${fmt}_same_tokens" 30 python3 -c "import json,sys; a,b=(json.load(open(sys.argv[i]))['tokens'] for i in (1,2)); print('before/after: tokens identical' if a==b else 'before/after: TOKENS DIFFER'); sys.exit(a!=b)" "$OUT/decode-$fmt-before.json" "$OUT/decode-$fmt-after.json"
+          fi
+        done
+        tag=${HOUSE_TAG:-house}
+        ab_args=(--async-scheduling --concurrency 1,256 --modes hisparse,all-resident --turnover-sweep= --no-plot)
+        for i in $(seq 1 "${HOUSE_PAIRS:-2}"); do
+          if [ -d .baseline ]; then
+            run_step "e2e_before_$i" 240 bash -c "cd .baseline && PYTHONPATH=. python3 -m bench.e2e_decode ${ab_args[*]} --output $PWD/bench/results/e2e_decode-async-$tag-before-$i-gpu.json"
+          fi
+          run_step "e2e_after_$i" 240 python3 -m bench.e2e_decode "${ab_args[@]}" --output "bench/results/e2e_decode-async-$tag-after-$i-gpu.json"
         done ;;
       # Cold and warm starts of the GPU example (fresh processes, a fresh compilation cache).
       startup) run_step startup 400 python3 -m bench.startup --warm-starts 2 ;;

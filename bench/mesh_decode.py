@@ -29,7 +29,7 @@ from typing import Any
 import jax
 
 from bench import e2e_decode
-from hisparse_jax import nn
+from hisparse_jax import models as nn
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.topk_sources import DriftTopK
 

@@ -1,4 +1,7 @@
-"""`Engine`: continuous-batching decode of a `hisparse_jax.nn.Transformer` with the host tier.
+"""`Engine`: continuous-batching decode of a served model with the host tier.
+
+The model is any Flax NNX module implementing `hisparse_jax.models.ServedModel`; the engine
+reads its `spec` (`ModelSpec`) and calls its methods, and knows no model class.
 
 The engine composes its parts; one engine step is one scheduler pass and one model step:
 
@@ -88,10 +91,10 @@ from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock, summarise
 from hisparse_jax.engine.prefix_keys import IndexKeyStore
 from hisparse_jax.engine.request import Request
-from hisparse_jax.engine.residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.runner import DecodeResult, PendingDecode, Runner, variant_name
 from hisparse_jax.engine.scheduler import Scheduler
-from hisparse_jax.nn import Transformer
+from hisparse_jax.engine.static_residency import NoTransfers, StaticResidency
+from hisparse_jax.models.protocol import ModelSpec, ServedModel, check_served_model
 from hisparse_jax.ops import mirror_rows, mirror_rows_group, restore_rows
 from host_tier import CapacityError, Coordinator, DeviceBlockTables, HostPool, TransferEngine
 from host_tier.plan import StepPlan
@@ -144,11 +147,9 @@ def checked_config(who: str, model: Any, config: EngineConfig | None) -> EngineC
     config = EngineConfig() if config is None else config
     if not isinstance(config, EngineConfig):
         raise ValueError(f"{who} config must be an EngineConfig, got {type(config).__name__}")
-    if not isinstance(model, Transformer):
-        raise ValueError(f"{who} model must be a hisparse_jax.nn.Transformer, got "
-                         f"{type(model).__name__}")
+    spec = check_served_model(who, model)
     config.validate()
-    config.check_model(model.cfg)
+    config.check_model(spec)
     return config
 
 
@@ -293,7 +294,7 @@ class Engine:
 
     Usage::
 
-        engine = Engine(nn.init_model("tiny"), EngineConfig(...))
+        engine = Engine(models.init_model("tiny"), EngineConfig(...))
         engine.add_request([1, 2, 3], max_new_tokens=16)
         outputs = engine.run()            # {request_id: Request}
         print(engine.summary())
@@ -306,7 +307,7 @@ class Engine:
     # Prefix caching's index-key store (`__init__` sets it; `MeshEngine` never reuses prefixes).
     prefix_keys: IndexKeyStore | None = None
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
+    def __init__(self, model: ServedModel, config: EngineConfig | None = None, *,
                  host_pool: Any = None) -> None:
         """Args:
           model: the model (its parameters are split off and committed to the device).
@@ -318,7 +319,7 @@ class Engine:
             `config.pack_host_layers` (ignored when all-resident).
         """
         self.config = ec = config = checked_config("Engine", model, config)
-        self.model_config = mc = model.cfg
+        self.spec = mc = model.spec
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
         CompileWatch.start()
         self.device = device = jax.devices()[0]
@@ -420,6 +421,11 @@ class Engine:
         return self.runner.trace_counts
 
     @property
+    def model_config(self) -> ModelSpec:
+        """The served model's `ModelSpec` (`spec`)."""
+        return self.spec
+
+    @property
     def num_gpu_blocks(self) -> int:
         return self.hs_config.num_gpu_blocks
 
@@ -451,7 +457,7 @@ class Engine:
           ValueError: an argument breaks its rule (nothing is queued).
           host_tier.CapacityError: the pools could never hold the request, even alone.
         """
-        ec, vocab = self.config, self.model_config.vocab_size
+        ec, vocab = self.config, self.spec.vocab_size
         L = ec.max_model_len
         prompt = _token_ids("prompt", prompt, vocab)
         if not prompt:
@@ -771,7 +777,7 @@ class Engine:
                 out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk, **staging)
                 self.metrics.record_staged(
                     *runner.staged_rows,
-                    row_bytes=self.row_bytes * self.model_config.index_group_size)
+                    row_bytes=self.row_bytes * self.spec.index_group_size)
             token, attention, seconds, variant, compiled = out
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             message = f"prefill failed: {type(e).__name__}: {e}"
@@ -811,7 +817,7 @@ class Engine:
             self._clock.decode_tokens += emitted
         self.metrics.record_decode(fast=not pending.residency.reads_host, hits=result.hits,
                                    misses=result.misses,
-                                   index_group_size=self.model_config.index_group_size,
+                                   index_group_size=self.spec.index_group_size,
                                    row_bytes=self.row_bytes)
         self.metrics.decode_request_steps += len(reqs)
         self.metrics.decode_emitted += emitted
@@ -923,7 +929,7 @@ class Engine:
                          host_bytes=self.host_bytes(), gpu_blocks=self.num_gpu_blocks,
                          kv_format=self.hs_config.kv_format, row_bytes=self.row_bytes,
                          host_bytes_per_request=self.hs_config.host_bytes_per_request(
-                             self.model_config.num_layers))
+                             self.spec.num_layers))
 
     def close(self) -> None:
         """Collects the decode step in flight (async scheduling), waits for every copy into

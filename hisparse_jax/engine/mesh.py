@@ -67,7 +67,6 @@ from hisparse_jax.engine.engine import (
 )
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
 from hisparse_jax.engine.request import Request
-from hisparse_jax.engine.residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.runner import (
     Runner,
     _with_residency,
@@ -76,7 +75,8 @@ from hisparse_jax.engine.runner import (
 )
 from hisparse_jax.engine.sampler import base_key
 from hisparse_jax.engine.scheduler import ScheduledStep, Scheduler
-from hisparse_jax.nn import Transformer
+from hisparse_jax.engine.static_residency import NoTransfers, StaticResidency
+from hisparse_jax.models.protocol import ServedModel
 from hisparse_jax.ops import mirror_rows, restore_rows
 from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
 from host_tier.sizes import is_int
@@ -111,24 +111,23 @@ def _path_name(path: tuple[Any, ...]) -> str:
                     for k in path)
 
 
-def param_specs(params: Any, model_size: int) -> list[P]:
-    """The `PartitionSpec` over `MODEL` of each parameter leaf (`jax.tree.flatten` order of
-    an `nnx.State`): dense kernels [in, out] and the embedding [vocab, hidden] split their
-    last dim, the absorbed up-projections w_uk / w_uv [heads, ., .] their first; norms and
-    everything else replicated (the partitioner picks the activations' layout, so the float
-    rounding may differ from one device: `docs/mesh.md`).
+def param_specs(model: Any, model_size: int) -> list[P]:
+    """The `PartitionSpec` over `MODEL` of each parameter leaf of `model` (`jax.tree.flatten`
+    order of its `nnx.State`): the dim the model's `tensor_parallel_dim(path, shape)` names
+    is split (`hisparse_jax.models.ServedModel`); every leaf is replicated when it names none
+    or the model has no such method (the partitioner picks the activations' layout, so the
+    float rounding may differ from one device: `docs/mesh.md`).
 
     Raises:
       ValueError: `model_size` does not divide a dim it splits (naming the parameter).
     """
+    _, params = nnx.split(model)
+    rule = getattr(model, "tensor_parallel_dim", None)
     specs = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = _path_name(path)
-        if leaf.ndim == 2 and ("kernel" in name or "embedding" in name):
-            axis = 1
-        elif leaf.ndim == 3 and ("w_uk" in name or "w_uv" in name):
-            axis = 0
-        else:
+        axis = None if rule is None else rule(name, tuple(leaf.shape))
+        if axis is None:
             specs.append(P())
             continue
         if leaf.shape[axis] % model_size:
@@ -269,7 +268,7 @@ class MeshEngine(Engine):
 
     Usage::
 
-        engine = MeshEngine(nn.init_model("tiny"), EngineConfig(max_seats=8), mesh_shape=(2, 2))
+        engine = MeshEngine(models.init_model("tiny"), EngineConfig(max_seats=8), mesh_shape=(2, 2))
         engine.add_request([1, 2, 3], max_new_tokens=16)
         outputs = engine.run()
 
@@ -287,7 +286,7 @@ class MeshEngine(Engine):
     several processes only when every process raised at the same point (`docs/mesh.md`).
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None, *,
+    def __init__(self, model: ServedModel, config: EngineConfig | None = None, *,
                  mesh: Mesh | None = None, mesh_shape: Sequence[int] | None = None) -> None:
         config = checked_config("MeshEngine", model, config)
         if config.num_speculative_tokens:
@@ -302,7 +301,7 @@ class MeshEngine(Engine):
         if config.enable_prefix_caching:
             raise ValueError("MeshEngine: EngineConfig.enable_prefix_caching must be False (the "
                              "mesh engine does not reuse published prefixes yet; use Engine)")
-        self.model_config = mc = model.cfg
+        self.spec = mc = model.spec
         if mesh is not None and mesh_shape is not None:
             raise ValueError("MeshEngine takes mesh or mesh_shape, not both")
         if mesh is None:
@@ -329,7 +328,7 @@ class MeshEngine(Engine):
         self.hs_config = cfg = ec_local.hisparse_config(mc)
         ec_local.check_platform(mc, cfg)
         _, state = nnx.split(model)
-        specs = param_specs(state, M)
+        specs = param_specs(model, M)
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
         CompileWatch.start()
         self.device = mesh.devices.flat[0]
@@ -358,9 +357,9 @@ class MeshEngine(Engine):
         self._key = _from_host(np.asarray(jax.device_get(base_key(ec.seed))),
                                NamedSharding(mesh, P()))
 
-    def _build_shard(self, model: Transformer, d: int, devices: tuple[jax.Device, ...],
+    def _build_shard(self, model: ServedModel, d: int, devices: tuple[jax.Device, ...],
                      specs: list[P]) -> _Shard:
-        ec, cfg, mc = self.shard_config, self.hs_config, self.model_config
+        ec, cfg, mc = self.shard_config, self.hs_config, self.spec
         submesh = Mesh(np.array(devices, dtype=object), (MODEL,))
         sharding = NamedSharding(submesh, P())
         params = [_view(p, NamedSharding(submesh, spec), p.shape)
@@ -598,7 +597,7 @@ class MeshEngine(Engine):
                                compiled=CompileWatch.count != compiles):
             self._clock.decode_tokens += len(reqs)
         self.metrics.record_decode(fast=not residency.reads_host, hits=hits, misses=misses,
-                                   index_group_size=self.model_config.index_group_size,
+                                   index_group_size=self.spec.index_group_size,
                                    row_bytes=self.row_bytes)
         for sh in self.shards:
             for req in decode.get(sh.index, ()):

@@ -56,7 +56,7 @@ from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.sampler import base_key, sample, token_keys
-from hisparse_jax.nn import DecodeBatch, DecodeCache, Transformer
+from hisparse_jax.models.protocol import DecodeBatch, DecodeCache, ServedModel
 from hisparse_jax.state import (
     apply_hot_updates,
     apply_packed_hot_updates,
@@ -232,11 +232,11 @@ class Runner:
     # groups): (0, 0) unless it ran the staged variant.
     staged_rows: tuple[int, int] = (0, 0)
 
-    def __init__(self, model: Transformer, ec: EngineConfig, cfg: HiSparseConfig,
+    def __init__(self, model: ServedModel, ec: EngineConfig, cfg: HiSparseConfig,
                  residency: Residency, *, tables: Any, transfers: Any, host_pool: Any,
                  device: jax.Device | jax.sharding.Sharding, params: Any = None) -> None:
         self.config, self.cfg, self.residency = ec, cfg, residency
-        self.model_config = mc = model.cfg
+        self.spec = mc = model.spec
         self.tables, self.transfers, self.host_pool = tables, transfers, host_pool
         self.device = device
         params_given = params
@@ -252,6 +252,11 @@ class Runner:
         # Async scheduling: the decode step takes the previous step's device tokens.
         self.feeds_back = ec.async_scheduling
         self.draft = None if ec.draft is None else ec.draft.bind(vocab_size=mc.vocab_size)
+        # The model's per-seat arrays: their shapes and dtypes (started as zeros, and again
+        # after a device loss).
+        self._index_key_specs = jax.eval_shape(functools.partial(
+            model.init_index_keys, cfg.max_num_reqs, cfg.max_model_len,
+            external_topk=ec.topk_source is not None))
         self._init_device_state()
         self.sample_key = self._put(base_key(ec.seed))
         self._no_prev_tokens = self._put(np.zeros(cfg.max_num_reqs, np.int32))
@@ -301,10 +306,7 @@ class Runner:
     def _init_device_state(self) -> None:
         """Fresh device state: zero KV and index-key caches, empty hot states, the top-k
         source's initial state (the block tables are the caller's)."""
-        ec, cfg, mc = self.config, self.cfg, self.model_config
-        # With an external top-k source the indexer never runs: no key cache to speak of.
-        key_shape = ((1, 1, mc.index_dim) if ec.topk_source is not None
-                     else (cfg.max_num_reqs, cfg.max_model_len, mc.index_dim))
+        ec, cfg, mc = self.config, self.cfg, self.spec
         self._hot_deferred: np.ndarray | None = None  # `apply_plan_state`, fresh state: none
         kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=self.residency,
                                     index_group_size=mc.index_group_size,
@@ -312,8 +314,7 @@ class Runner:
                                     copy_programs=ec.copy_programs,
                                     copy_with_attention=ec.copy_with_attention)
         self.cache = self._put(DecodeCache(
-            kv=kv, index_keys=tuple(jnp.zeros(key_shape, cfg.kv_dtype)
-                                    for _ in range(mc.num_groups))))
+            kv=kv, index_keys=tuple(jnp.zeros(k.shape, k.dtype) for k in self._index_key_specs)))
         self.topk_state = None
         if self.topk_source is not None:
             self.topk_state = self._put(self.topk_source.init_state(
@@ -884,7 +885,7 @@ class Runner:
             keys = token_keys(key, seeds, steps + 1)  # token i = len(generated) is sampled
             _, logits, cache, aux = forward(params, cache, tokens, positions, state_rows, tables,
                                             host_pools, topk_state, steps)
-            del aux["hidden"]
+            aux.pop("hidden", None)
             return sample(logits, temperature, keys), cache, aux
 
         return step
@@ -942,7 +943,7 @@ class Runner:
                 params, cache, tokens.reshape(-1), positions.reshape(-1),
                 jnp.repeat(state_rows, r), tables, host_pools, topk_state, row_steps,
                 rows_per_request=r)
-            hidden = aux.pop("hidden").reshape(S, r, -1)
+            hidden = aux.pop("hidden", None)
             sampled = sample(logits, jnp.repeat(temperature, r), keys).reshape(S, r)
             drafts, present = tokens[:, 1:], positions[:, 1:] >= 0
             if rate is None:
@@ -955,6 +956,7 @@ class Runner:
             out = jnp.where(col[None, :] < accepted[:, None], padded, sampled)
             last = jnp.take_along_axis(out, accepted[:, None], 1)[:, 0]
             if draft.on_device:
+                hidden = hidden.reshape(S, r, -1)
                 h = jnp.take_along_axis(hidden, accepted[:, None, None], 1)[:, 0]
                 nxt = draft.device_drafts(model, h, last, k).astype(jnp.int32)
             else:
@@ -999,14 +1001,16 @@ class Runner:
                        **self._placed_outputs())
 
     def _jit_synthetic_prefill(self) -> Callable[..., Any]:
-        mc = self.model_config
+        mc = self.spec
         num_layers, width = mc.num_layers, mc.row_width
         base = jax.random.PRNGKey(self.config.seed)
         with_keys = self.topk_source is None  # the model's indexer selects: give it keys
 
-        def random_rows(key: jax.Array, pos: jax.Array, dim: int) -> jax.Array:
+        def random_rows(key: jax.Array, pos: jax.Array, shape: int | tuple[int, ...]
+                        ) -> jax.Array:
             keys = jax.vmap(lambda p: jax.random.fold_in(key, p))(pos)
-            return jax.vmap(lambda k: jax.random.normal(k, (dim,)))(keys)
+            shape = (shape,) if isinstance(shape, int) else tuple(shape)
+            return jax.vmap(lambda k: jax.random.normal(k, shape))(keys)
 
         def prefill(params, cache, tokens, length, state_row, rows_at, temperature, key,
                     seed, token_index, request_index):
@@ -1019,13 +1023,13 @@ class Runner:
                 kv = kv.write_rows(layer, rows_at,
                                    random_rows(jax.random.fold_in(req_key, layer), pos, width))
             index_keys = list(cache.index_keys)
-            if with_keys:  # unit-normal index keys (the indexer's keys are layer-normed)
-                cols = jnp.where(pos < length, pos, index_keys[0].shape[1])  # padding: dropped
-                for g in range(len(index_keys)):
+            if with_keys:  # unit-normal per-seat values (an indexer's keys are layer-normed)
+                for g, keys in enumerate(index_keys):
+                    cols = jnp.where(pos < length, pos, keys.shape[1])  # padding: dropped
                     rows = random_rows(jax.random.fold_in(req_key, num_layers + g), pos,
-                                       mc.index_dim)
-                    index_keys[g] = index_keys[g].at[state_row, cols].set(
-                        rows.astype(index_keys[g].dtype), mode="drop")
+                                       keys.shape[2:])
+                    index_keys[g] = keys.at[state_row, cols].set(rows.astype(keys.dtype),
+                                                                 mode="drop")
             return tokens[length - 1], DecodeCache(kv, tuple(index_keys)), {}
 
         return jax.jit(self._wrap(prefill, "prefill"), donate_argnames=("cache",),

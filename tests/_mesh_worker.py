@@ -156,7 +156,7 @@ def faults(engine):
             return prefill(req, blocks)
 
         manager.admit, runner.prefill = failing_admit, failing_prefill
-    engine._jitted.update(_failing(engine._jitted, {"before": 3, "after": 9}))
+    engine.decoder.jitted.update(_failing(engine.decoder.jitted, {"before": 3, "after": 9}))
     for i, (p, t) in enumerate(requests()):
         engine.add_request(p, max_new_tokens=GEN, temperature=t, request_id=f"r{i}", seed=i)
         if i == 1:

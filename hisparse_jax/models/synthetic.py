@@ -11,7 +11,7 @@ Caches are data: `DecodeCache` (the KV-cache handle `hisparse_jax.cache.HiSparse
 and the per-group index-key caches `[S, max_model_len, index_dim]`) is passed into
 `Transformer.decode` / `Transformer.prefill` and returned, never kept in module variables,
 so a step jits with the caches donated (`nnx.split` / `nnx.merge` at the jit boundary, see
-`hisparse_jax.engine.steps`).
+`hisparse_jax.engine.step_builder`).
 
 One decode path for every residency: each layer writes its new row through the handle
 (`HiSparseKVCache.write`), the leader layer of each index group picks the top-k (its

@@ -111,7 +111,7 @@ class EngineConfig:
         HiSparse mode with k > 0 only).
       prefill_chunk_size: None: a prompt is prefilled in one shot at admission. An int C >= 1:
         in chunks of at most C tokens, one chunk per request and step, sharing steps with the
-        other requests' decode (`Transformer.prefill_chunk`); a request samples its first
+        other requests' decode (the model's `prefill_chunk`); a request samples its first
         token after its last chunk. Its pages stay resident until then
         (`docs/semantics.md`, chunked prefill). Needs the indexer (no `topk_source`): a chunk
         selects over the earlier chunks' index keys.
@@ -127,7 +127,7 @@ class EngineConfig:
       enable_prefix_caching: reuse the published pages of earlier requests (`host_tier`'s
         prefix cache: full pages named by a chained hash of their tokens, published once
         their host copies completed): a prompt that starts with published pages prefills
-        only its remaining tokens (`Transformer.prefill_chunk` from the first uncached
+        only its remaining tokens (the model's `prefill_chunk` from the first uncached
         position, also without prefill_chunk_size), its hit pages restored into resident
         blocks (or read by staging: prefix_hit_pages) and their index keys copied into its
         seat (the engine keeps the keys of every published page on the host:
@@ -142,7 +142,7 @@ class EngineConfig:
         prefill (with enable_prefix_caching): "restore" (default) gives each a resident block
         and a whole-page restore from host before the prefill; "stage" leaves them host-only
         (read through the hot region once the request decodes) and each prefill chunk stages
-        just the rows its query rows select from them (`Transformer.prefill_chunk` staging,
+        just the rows its query rows select from them (the model's `prefill_chunk` staging,
         `docs/semantics.md`, prefill staging).
       pack_host_layers: the host pool keeps the layers of an index group side by side, one
         array per group with rows index_group_size x wider (default True): the group's one

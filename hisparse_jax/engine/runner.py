@@ -57,7 +57,7 @@ def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
                        offset: int = 0, ahead: frozenset[Hashable] = frozenset(),
                        prev_index: np.ndarray | None = None) -> None:
     """Writes the decode inputs of `reqs` into their seats' rows of `inputs` (tokens,
-    positions, state_rows, temperature, seeds, steps, as `Runner._idle_inputs` makes them):
+    positions, state_rows, temperature, seeds, steps, as `Runner.idle_inputs` makes them):
     each request's last token, then its `step_drafts` at the next positions (tokens and
     positions are [S, 1 + k] with speculation, else [S]). `offset`: the batch row of seat 0
     (the mesh engine's data shard d starts at d * seats; the state row stays the seat).
@@ -388,7 +388,7 @@ class Runner:
                       ) -> tuple[int, np.ndarray | None, float, Hashable, bool]:
         """Prefills prompt tokens [start, start + num_tokens) of an admitted request whose
         resident blocks `res_blocks` (int64[pages]) hold every page from the chunk's first
-        page to its last position (`Transformer.prefill_chunk`); returns what `prefill`
+        page to its last position (the model's `prefill_chunk`); returns what `prefill`
         returns, the sampled token meaningful after the prompt's last chunk only. A page
         before the chunk's first page may be host-only (null in `res_blocks`) when
         `host_blocks` (int64[>= pages], the request's host blocks) is given: the chunk then

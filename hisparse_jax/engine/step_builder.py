@@ -167,7 +167,7 @@ class StepBuilder:
         specs = [(a.shape, a.dtype) for a in idle_inputs(self.cfg.max_num_reqs,
                                                          self.num_speculative_tokens)]
         feeds_back = self.feeds_back
-        if feeds_back:  # prev_index int32[S] (`_decode`)
+        if feeds_back:  # prev_index int32[S] (`Runner.run_decode`)
             specs.append(((self.cfg.max_num_reqs,), np.dtype(np.int32)))
 
         def packed_step(params, cache, inputs, tables, host_pools, key, topk_state,
@@ -312,7 +312,7 @@ class StepBuilder:
 
     def jit_prefill_chunk(self, *, staged: bool = False) -> Callable[..., Any]:
         """The chunk prefill; `staged`: the variant that also takes the host block-table row
-        and the host pools (`Transformer.prefill_chunk` staging)."""
+        and the host pools (`ServedModel.prefill_chunk` staging)."""
         graphdef, treedef, ec = self.graphdef, self.treedef, self.config
 
         def prefill_chunk(params, cache, tokens, start, length, state_row, pages, temperature,

@@ -58,3 +58,19 @@ def test_the_engines_refuse_what_is_not_a_served_model():
         check_served_model("Engine", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="does not implement .*: no decode"):
         Engine(_NoDecode(), EngineConfig(all_resident=True))
+
+
+def test_the_engine_imports_no_model():
+    """The engine package reaches models only through the protocol module."""
+    import ast
+    import pathlib
+
+    import hisparse_jax.engine as engine_pkg
+
+    for path in pathlib.Path(engine_pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not (name.startswith("hisparse_jax.models")
+                            and name != "hisparse_jax.models.protocol"), (path.name, name)

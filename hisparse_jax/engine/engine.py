@@ -82,7 +82,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -90,9 +90,15 @@ import jax
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine.config import EngineConfig
-from hisparse_jax.engine.front import Intake, check_idle, checked_config, run_steps
+from hisparse_jax.engine.front import (
+    EngineFront,
+    Intake,
+    check_idle,
+    checked_config,
+    run_steps,
+)
 from hisparse_jax.engine.loops import AsyncLoop, SyncLoop
-from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock, summarise
+from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
 from hisparse_jax.engine.page_keys import PageKeys
 from hisparse_jax.engine.prefix_keys import IndexKeyStore
 from hisparse_jax.engine.request import Request
@@ -100,32 +106,9 @@ from hisparse_jax.engine.runner import Runner
 from hisparse_jax.engine.scheduler import Scheduler
 from hisparse_jax.engine.static_residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.step import StepContext
-from hisparse_jax.models.protocol import ModelSpec, ServedModel
+from hisparse_jax.models.protocol import ServedModel
 from hisparse_jax.ops import mirror_rows, mirror_rows_group, restore_rows
 from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
-
-
-def summary_of(engine: Any) -> dict[str, Any]:
-    """Derived figures of an engine's run so far (`hisparse_jax.engine.metrics.summarise`):
-    `Engine.summary`, `MeshEngine.summary`."""
-    reasons = collections.Counter(r.finish_reason for r in engine.finished.values())
-    cfg = engine.hs_config
-    return summarise(engine.metrics, engine._clock, mode=engine.mode,
-                     requests_finished=len(engine.finished), finish_reasons=reasons,
-                     stats=engine.scheduler.manager.stats, device_bytes=engine.device_bytes(),
-                     device_allocator_bytes=engine.allocator_bytes_in_use(),
-                     host_bytes=engine.host_bytes(), gpu_blocks=engine.num_gpu_blocks,
-                     kv_format=cfg.kv_format, row_bytes=engine.row_bytes,
-                     host_bytes_per_request=cfg.host_bytes_per_request(engine.spec.num_layers))
-
-
-def allocator_bytes_in_use() -> int | None:
-    """The device allocator's bytes in use (GPU), None where the backend does not say."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        return None
-    return None if not stats else stats.get("bytes_in_use")
 
 
 def residency_parts(cfg: HiSparseConfig, ec: EngineConfig, host_pool: Any, *,
@@ -157,7 +140,7 @@ def residency_parts(cfg: HiSparseConfig, ec: EngineConfig, host_pool: Any, *,
     return manager, transfers
 
 
-class Engine:
+class Engine(EngineFront):
     """Continuous-batching decode with the HiSparse host tier (or all-resident).
 
     Usage::
@@ -166,6 +149,10 @@ class Engine:
         engine.add_request([1, 2, 3], max_new_tokens=16)
         outputs = engine.run()            # {request_id: Request}
         print(engine.summary())
+
+    `add_request`, `cancel`, `summary` and the state properties (`waiting`, `running`,
+    `finished`, `has_work`, `mode`, `model_config`, `num_gpu_blocks`) are `EngineFront`'s
+    (`front.py`, shared with `MeshEngine`).
     """
 
     def __init__(self, model: ServedModel, config: EngineConfig | None = None, *,
@@ -248,76 +235,11 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     @property
-    def waiting(self) -> collections.deque[Request]:
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> dict[Hashable, Request]:
-        return self.scheduler.running
-
-    @property
-    def finished(self) -> dict[Hashable, Request]:
-        return self.scheduler.finished
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    @property
     def trace_counts(self) -> collections.Counter[str]:
         """Traces per jitted step ("prefill" or "prefill_chunk", "decode_fast", "decode_hot")."""
         return self.runner.trace_counts
 
-    @property
-    def model_config(self) -> ModelSpec:
-        """The served model's `ModelSpec` (`spec`)."""
-        return self.spec
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self.hs_config.num_gpu_blocks
-
-    @property
-    def mode(self) -> str:
-        """"all-resident", "naive-offload" or "hisparse"."""
-        return self.residency.name
-
-    # ------------------------------------------------------------------ requests
-
-    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int | None,
-                    temperature: float = 0.0, stop_token_ids: Iterable[int] = (),
-                    request_id: Hashable | None = None, seed: int | None = None) -> Hashable:
-        """Queues a request; returns its id. It stops at a stop token (kept in the output),
-        at `max_new_tokens` new tokens, or (max_new_tokens=None) at max_model_len tokens.
-
-        Args:
-          prompt: token ids in [0, vocab), at least one, fewer than max_model_len.
-          max_new_tokens: >= 1 with prompt + max_new_tokens <= max_model_len; None: until
-            max_model_len tokens (finish_reason "max_model_len").
-          temperature: finite, >= 0 (0: greedy).
-          stop_token_ids: token ids in [0, vocab).
-          request_id: any hashable not naming a waiting, running or finished request;
-            None: an automatic int id (never one in use).
-          seed: its sampling seed, an int in [0, 2**32) (default: its add_request order
-            index): token i is drawn with a key of (EngineConfig.seed, seed, i) only.
-
-        Raises:
-          ValueError: an argument breaks its rule (nothing is queued).
-          host_tier.CapacityError: the pools could never hold the request, even alone.
-        """
-        return self._intake.add(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                stop_token_ids=stop_token_ids, request_id=request_id,
-                                seed=seed)
-
-    def cancel(self, request_id: Hashable) -> bool:
-        """Cancels a waiting or running request: it finishes with finish_reason "cancelled"
-        (its tokens so far kept) and releases everything it holds. Returns False when it had
-        already finished. Call it between steps (e.g. from `run`'s `on_step`).
-
-        Raises:
-          ValueError: no request has this id.
-        """
-        return self.scheduler.cancel(request_id)
+    # ------------------------------------------------------------------ serving
 
     def warmup(self) -> float:
         """Compiles every shape bucket a run can reach (every decode variant, every prefill
@@ -388,14 +310,8 @@ class Engine:
         """Bytes of parameters, KV caches, per-seat arrays and hot state on the device."""
         return self.runner.device_bytes()
 
-    allocator_bytes_in_use = staticmethod(allocator_bytes_in_use)
-
     def host_bytes(self) -> int:
         return 0 if self.host_pool is None else int(self.host_pool.nbytes)
-
-    def summary(self) -> dict[str, Any]:
-        """Derived figures of the run so far (`hisparse_jax.engine.metrics.summarise`)."""
-        return summary_of(self)
 
     def close(self) -> None:
         """Collects the decode step in flight (async scheduling), waits for every copy into

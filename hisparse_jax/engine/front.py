@@ -1,18 +1,24 @@
 """What `Engine` and `MeshEngine` share at their doors: the configuration and model checks
-(`checked_config`), request validation and queueing (`Intake`), the run loop (`run_steps`)
-and the warm-up guard (`check_idle`). Each engine composes these with its own parts."""
+(`checked_config`), request validation and queueing (`Intake`), the request API and state
+properties over those (`EngineFront`), the run loop (`run_steps`) and the warm-up guard
+(`check_idle`). Each engine composes these with its own parts: `EngineFront` reads only
+what both build (`scheduler`, `_intake`, `spec`, `hs_config`, `residency`, `metrics`,
+`_clock`, `row_bytes`, `device_bytes()`, `host_bytes()`)."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from hisparse_jax.engine.config import EngineConfig
+from hisparse_jax.engine.metrics import summarise
 from hisparse_jax.engine.request import Request
 from hisparse_jax.models.protocol import ModelSpec, check_served_model
 from host_tier import CapacityError
@@ -149,3 +155,95 @@ def check_idle(who: str, running: dict) -> None:
     if running:
         raise RuntimeError(f"{who}.warmup: {len(running)} requests are running; call it "
                            "before serving or when none runs")
+
+
+class EngineFront:
+    """The request API and state properties `Engine` and `MeshEngine` share (module
+    docstring: the attributes it reads)."""
+
+    @property
+    def waiting(self) -> collections.deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> dict[Hashable, Request]:
+        return self.scheduler.running
+
+    @property
+    def finished(self) -> dict[Hashable, Request]:
+        return self.scheduler.finished
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a request waits or runs (the mesh engine: on any process, a collective)."""
+        return self.scheduler.has_work
+
+    @property
+    def model_config(self) -> ModelSpec:
+        """The served model's `ModelSpec` (`spec`)."""
+        return self.spec
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.hs_config.num_gpu_blocks
+
+    @property
+    def mode(self) -> str:
+        """"all-resident", "naive-offload" or "hisparse"."""
+        return self.residency.name
+
+    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int | None,
+                    temperature: float = 0.0, stop_token_ids: Iterable[int] = (),
+                    request_id: Hashable | None = None, seed: int | None = None) -> Hashable:
+        """Queues a request; returns its id. It stops at a stop token (kept in the output),
+        at `max_new_tokens` new tokens, or (max_new_tokens=None) at max_model_len tokens.
+
+        Args:
+          prompt: token ids in [0, vocab), at least one, fewer than max_model_len.
+          max_new_tokens: >= 1 with prompt + max_new_tokens <= max_model_len; None: until
+            max_model_len tokens (finish_reason "max_model_len").
+          temperature: finite, >= 0 (0: greedy).
+          stop_token_ids: token ids in [0, vocab).
+          request_id: any hashable not naming a waiting, running or finished request;
+            None: an automatic int id (never one in use).
+          seed: its sampling seed, an int in [0, 2**32) (default: its add_request order
+            index): token i is drawn with a key of (EngineConfig.seed, seed, i) only.
+
+        Raises:
+          ValueError: an argument breaks its rule (nothing is queued).
+          host_tier.CapacityError: the pools could never hold the request, even alone.
+        """
+        return self._intake.add(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                stop_token_ids=stop_token_ids, request_id=request_id,
+                                seed=seed)
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Cancels a waiting or running request: it finishes with finish_reason "cancelled"
+        (its tokens so far kept) and releases everything it holds. Returns False when it had
+        already finished. Call it between steps (e.g. from `run`'s `on_step`).
+
+        Raises:
+          ValueError: no request has this id.
+        """
+        return self.scheduler.cancel(request_id)
+
+    @staticmethod
+    def allocator_bytes_in_use() -> int | None:
+        """The device allocator's bytes in use (GPU), None where the backend does not say."""
+        try:
+            stats = jax.devices()[0].memory_stats()
+        except Exception:  # noqa: BLE001 - backends without memory stats
+            return None
+        return None if not stats else stats.get("bytes_in_use")
+
+    def summary(self) -> dict[str, Any]:
+        """Derived figures of the run so far (`hisparse_jax.engine.metrics.summarise`)."""
+        reasons = collections.Counter(r.finish_reason for r in self.finished.values())
+        cfg = self.hs_config
+        return summarise(self.metrics, self._clock, mode=self.mode,
+                         requests_finished=len(self.finished), finish_reasons=reasons,
+                         stats=self.scheduler.manager.stats, device_bytes=self.device_bytes(),
+                         device_allocator_bytes=self.allocator_bytes_in_use(),
+                         host_bytes=self.host_bytes(), gpu_blocks=self.num_gpu_blocks,
+                         kv_format=cfg.kv_format, row_bytes=self.row_bytes,
+                         host_bytes_per_request=cfg.host_bytes_per_request(self.spec.num_layers))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -56,8 +56,14 @@ from jax.sharding import PartitionSpec as P
 from hisparse_jax.cache import AllResident
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine.config import EngineConfig
-from hisparse_jax.engine.engine import allocator_bytes_in_use, residency_parts, summary_of
-from hisparse_jax.engine.front import Intake, check_idle, checked_config, run_steps
+from hisparse_jax.engine.engine import residency_parts
+from hisparse_jax.engine.front import (
+    EngineFront,
+    Intake,
+    check_idle,
+    checked_config,
+    run_steps,
+)
 from hisparse_jax.engine.mesh_step import DATA, MODEL, MeshDecode, MeshPending, from_host, view
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
 from hisparse_jax.engine.request import Request
@@ -74,7 +80,7 @@ from hisparse_jax.engine.step import (
     recover_parts,
 )
 from hisparse_jax.engine.warmup import reachable_variants
-from hisparse_jax.models.protocol import ModelSpec, ServedModel
+from hisparse_jax.models.protocol import ServedModel
 from host_tier import DeviceBlockTables, HostPool
 from host_tier.sizes import is_int
 from pallas_kernels import _compat
@@ -250,7 +256,7 @@ class _MeshManager:
         return total
 
 
-class MeshEngine:
+class MeshEngine(EngineFront):
     """The `Engine` over a ("data", "model") mesh (module docstring, `docs/mesh.md`).
 
     Usage::
@@ -359,55 +365,9 @@ class MeshEngine:
     # ------------------------------------------------------------------ state
 
     @property
-    def waiting(self) -> collections.deque[Request]:
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> dict[Hashable, Request]:
-        return self.scheduler.running
-
-    @property
-    def finished(self) -> dict[Hashable, Request]:
-        return self.scheduler.finished
-
-    @property
-    def has_work(self) -> bool:
-        """Whether a request waits or runs (on any process: a collective when several)."""
-        return self.scheduler.has_work
-
-    @property
     def trace_counts(self) -> collections.Counter[str]:
         """Traces per jitted mesh decode variant ("decode_fast", "decode_hot")."""
         return self.decoder.trace_counts
-
-    @property
-    def model_config(self) -> ModelSpec:
-        """The served model's `ModelSpec` (`spec`)."""
-        return self.spec
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self.hs_config.num_gpu_blocks
-
-    @property
-    def mode(self) -> str:
-        """"all-resident", "naive-offload" or "hisparse"."""
-        return self.residency.name
-
-    # ------------------------------------------------------------------ requests
-
-    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int | None,
-                    temperature: float = 0.0, stop_token_ids: Iterable[int] = (),
-                    request_id: Hashable | None = None, seed: int | None = None) -> Hashable:
-        """Queues a request (`Engine.add_request`: the same rules and errors); it is routed
-        to a data shard when one has a free seat (module docstring)."""
-        return self._intake.add(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                stop_token_ids=stop_token_ids, request_id=request_id,
-                                seed=seed)
-
-    def cancel(self, request_id: Hashable) -> bool:
-        """`Engine.cancel`: a waiting or running request finishes with "cancelled"."""
-        return self.scheduler.cancel(request_id)
 
     def run(self, *, on_step: Callable[[MeshEngine], None] | None = None,
             max_steps: int | None = None) -> dict[Hashable, Request]:
@@ -535,14 +495,8 @@ class MeshEngine:
         caches = sum(x.nbytes for sh in self.shards for x in jax.tree.leaves(sh.runner.cache))
         return int(params + caches)
 
-    allocator_bytes_in_use = staticmethod(allocator_bytes_in_use)
-
     def host_bytes(self) -> int:
         return int(sum(sh.host_pool.nbytes for sh in self.shards if sh.host_pool is not None))
-
-    def summary(self) -> dict[str, Any]:
-        """Derived figures of the run so far (`hisparse_jax.engine.metrics.summarise`)."""
-        return summary_of(self)
 
     def close(self) -> None:
         """Waits for every copy into the host pools; closes them."""

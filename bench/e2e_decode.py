@@ -61,7 +61,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
-from hisparse_jax import nn  # noqa: E402
+from hisparse_jax import models as nn  # noqa: E402
 from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402

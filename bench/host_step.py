@@ -9,7 +9,7 @@ unpin their pages), with a transfer worker that completes every copy at the next
   * `Scheduler.schedule` (worker reports, scheduling every running request, admission,
     `Coordinator.build_plan`, the residency choice);
   * the runner's decode inputs (`hisparse_jax.engine.runner.fill_decode_inputs`);
-  * the collection of the sampled tokens (`hisparse_jax.engine.engine.record_decode`:
+  * the collection of the sampled tokens (`hisparse_jax.engine.step.record_decode`:
     `Scheduler.collected` / `record` per request), with token 5 sampled by every request.
 
 Timed apart, after each step (not in the step's figures): the asynchronous engine's
@@ -43,11 +43,11 @@ import numpy as np
 from bench._common import write_result
 from hisparse_jax.cache import HiSparse
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine.engine import record_decode
 from hisparse_jax.engine.metrics import Metrics
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import DecodeResult, fill_decode_inputs
 from hisparse_jax.engine.scheduler import Scheduler
+from hisparse_jax.engine.step import record_decode
 from host_tier import Coordinator
 from host_tier.plan import StepPlan, TransferReport
 

@@ -30,7 +30,7 @@ import jax
 
 from bench import e2e_decode
 from bench._common import HelpFormatter
-from hisparse_jax import nn
+from hisparse_jax import models as nn
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.topk_sources import DriftTopK
 

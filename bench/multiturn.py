@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import RESULTS_DIR, write_result
-from hisparse_jax import nn
+from hisparse_jax import models as nn
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier.sizes import cdiv
 

@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 
 from bench import e2e_decode as e2e  # noqa: E402
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
-from hisparse_jax import nn  # noqa: E402
+from hisparse_jax import models as nn  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
 from pallas_kernels import kv_format as kvf  # noqa: E402

@@ -49,7 +49,7 @@ from bench.e2e_decode import (
     plan_sizes,
     run_group,
 )
-from hisparse_jax import nn
+from hisparse_jax import models as nn
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
 from host_tier import HostPool

@@ -1,91 +1,197 @@
-"""Your own attention layer served through the HiSparse KV-cache handle (runs on a CPU).
+"""Your own model served by the HiSparse engine (runs on a CPU).
 
-`MyAttention`, a plain Flax NNX attention with one shared key/value row per token, knows
-nothing of pages, host pools or hot regions: it writes its row (`cache.write`), asks for the
-rows of the positions it attends to (`cache.lookup`) and attends over them. The handle's
-residency type decides where rows live. Two requests decode two tokens over a 40-token
-context held (a) on the device (`AllResident`) and (b) in a pinned host pool with only the
-tail page resident (`HiSparse`: selected rows come through the hot region). Outputs agree.
+`TinyLM` is a small Flax NNX decoder of its own design, not the project's synthetic model:
+each layer is its own index group with a one-head dot-product indexer, and it attends with
+plain multi-head attention over rows of [key; value] (no MLA, no RoPE). It knows nothing
+of pages, host pools or hot regions. It implements `hisparse_jax.models.ServedModel`:
+
+  * `spec`: the static facts the engine sizes itself by (`ModelSpec`);
+  * `init_index_keys`: its own per-seat arrays, one index-key cache per layer;
+  * `prefill` / `prefill_chunk` / `decode`: each layer writes its row through the KV-cache
+    handle (`kv.write_rows` / `kv.write`), picks its top-k with its indexer, asks the handle
+    for the device rows of those positions (`kv.lookup`) and attends over them.
+
+`main` serves the same greedy requests twice, all-resident and HiSparse with a device pool
+too small for them (rows spill to the pinned host pool and come back through the hot
+regions), and checks that the tokens are identical.
 
     python3 examples/custom_attention.py
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hisparse_jax.cache import AllResident, CacheBatch, HiSparse, HiSparseKVCache
-from hisparse_jax.config import HiSparseConfig
-from host_tier import memory_sharding
+from hisparse_jax.cache import AllResident, CacheBatch
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.models import DecodeBatch, DecodeCache, ModelSpec
 
-N, CTX, B, W, DIM, HEADS = 2, 40, 4, 64, 32, 2
-CFG = HiSparseConfig(top_k=16, hot_size=32, block_size=B, max_num_reqs=N, row_width=W,
-                     kv_dtype="float32", max_model_len=64, num_gpu_blocks=64, num_host_blocks=40)
+VOCAB, DIM, LAYERS, HEADS, KEY, VALUE, INDEX, TOP_K = 128, 32, 2, 2, 16, 16, 8, 8
+W = KEY + VALUE  # one KV row: the token's key, then its value (shared by the heads)
 
 
-class MyAttention(nnx.Module):
+class Layer(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs):
-        self.q = nnx.Linear(DIM, HEADS * W, rngs=rngs)
-        self.kv = nnx.Linear(DIM, W, rngs=rngs)
-        self.o = nnx.Linear(HEADS * W, DIM, rngs=rngs)
+        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.q = nnx.Linear(DIM, HEADS * KEY, use_bias=False, rngs=rngs)
+        self.kv = nnx.Linear(DIM, W, use_bias=False, rngs=rngs)
+        self.o = nnx.Linear(HEADS * VALUE, DIM, use_bias=False, rngs=rngs)
+        self.index_q = nnx.Linear(DIM, INDEX, use_bias=False, rngs=rngs)
+        self.index_k = nnx.Linear(DIM, INDEX, use_bias=False, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.up = nnx.Linear(DIM, 4 * DIM, rngs=rngs)
+        self.down = nnx.Linear(4 * DIM, DIM, rngs=rngs)
 
-    def __call__(self, x, cache: HiSparseKVCache, batch: CacheBatch, topk):
-        cache = cache.write(0, self.kv(x), batch)            # this token's row, layer 0
-        cache, found = cache.lookup(0, topk, batch)           # device rows of the top-k
-        rows = found.attention_rows                           # int32[N, K], -1 masked
-        kv = cache.caches[0].reshape(-1, W)[jnp.maximum(rows, 0)]             # [N, K, W]
-        s = jnp.einsum("nhw,nkw->nhk", self.q(x).reshape(N, HEADS, W), kv) / np.sqrt(W)
-        p = jax.nn.softmax(jnp.where(rows[:, None] >= 0, s, -jnp.inf), -1)
-        return self.o(jnp.einsum("nhk,nkw->nhw", p, kv).reshape(N, -1)), cache, found
+    def select(self, h, keys, positions):
+        """Top-k positions int32[T, K] of query rows h [T, DIM] over index keys [T, L, INDEX]
+        or [L, INDEX]: causal (s <= position), -1 where fewer than K exist."""
+        q = self.index_q(h)
+        scores = (jnp.einsum("ti,tsi->ts", q, keys) if keys.ndim == 3
+                  else jnp.einsum("ti,si->ts", q, keys))
+        length = scores.shape[-1]
+        scores = jnp.where(jnp.arange(length)[None] <= positions[:, None], scores, -jnp.inf)
+        if length < TOP_K:
+            scores = jnp.pad(scores, ((0, 0), (0, TOP_K - length)), constant_values=-jnp.inf)
+        best, idx = jax.lax.top_k(scores, TOP_K)
+        return jnp.where(jnp.isfinite(best), idx, -1).astype(jnp.int32)
+
+    def attend(self, h, rows, valid):
+        """Attention of h [T, DIM] over rows [T, K, W] (valid bool[T, K])."""
+        q = self.q(h).reshape(-1, HEADS, KEY)
+        s = jnp.einsum("thd,tkd->thk", q, rows[..., :KEY]) / math.sqrt(KEY)
+        p = jax.nn.softmax(jnp.where(valid[:, None], s, -jnp.inf), -1)
+        p = jnp.where(valid.any(-1)[:, None, None], p, 0.0)  # a row with nothing to read
+        return self.o(jnp.einsum("thk,tkv->thv", p, rows[..., KEY:]).reshape(h.shape[0], -1))
+
+    def finish(self, x, attended):
+        x = x + attended
+        return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
 
 
-@nnx.jit(donate_argnums=1)  # the cache is donated; the batch (host pools) is not
-def step(layer, cache, batch, x, topk):
-    return layer(x, cache, batch, topk)
+class TinyLM(nnx.Module):
+    """A user's decoder implementing `hisparse_jax.models.ServedModel`."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.layers = nnx.List([Layer(rngs=rngs) for _ in range(LAYERS)])
+        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
+
+    spec = ModelSpec(name="tiny-user", vocab_size=VOCAB, num_layers=LAYERS,
+                     group_layers=(1,) * LAYERS, top_k=TOP_K, kv_lora_rank=W, rope_dim=0,
+                     num_heads=HEADS, sm_scale=1 / math.sqrt(KEY), kv_dtype="float32")
+
+    def init_index_keys(self, max_seats, max_model_len, *, external_topk):
+        shape = (1, 1, INDEX) if external_topk else (max_seats, max_model_len, INDEX)
+        return tuple(jnp.zeros(shape, jnp.float32) for _ in range(LAYERS))
+
+    def decode(self, cache, batch: DecodeBatch, *, attention_backend=None,
+               collect_attention=False):
+        kvb = batch.kv
+        live, pos = kvb.live, kvb.positions
+        seat = jnp.where(live, kvb.state_rows, 0)
+        kv, index_keys, hits, misses = cache.kv, list(cache.index_keys), [], []
+        x = self.embed(batch.tokens)
+        for g, layer in enumerate(self.layers):
+            h = layer.norm(x)
+            kv = kv.write(g, layer.kv(h), kvb)  # this token's row, in its resident page
+            if batch.topk is not None:  # an external top-k source
+                topk = jnp.where((batch.topk[g] <= pos[:, None]) & live[:, None],
+                                 batch.topk[g], -1)
+            else:
+                keys = index_keys[g]  # out-of-range indices (padding rows) are dropped
+                keys = keys.at[jnp.where(live, kvb.state_rows, keys.shape[0]), pos].set(
+                    layer.index_k(h), mode="drop")
+                index_keys[g] = keys
+                topk = jnp.where(live[:, None], layer.select(h, keys[seat], pos), -1)
+            kv, found = kv.lookup(g, topk, kvb)  # device rows (misses copied from host)
+            rows = kv.caches[g].reshape(-1, W)[jnp.maximum(found.attention_rows, 0)]
+            x = layer.finish(x, layer.attend(h, rows, found.attention_rows >= 0))
+            hits.append(found.hits.sum())
+            misses.append(found.misses.sum())
+        aux = {"hits": jnp.stack(hits), "misses": jnp.stack(misses), "hidden": x}
+        return self.logits(x), DecodeCache(kv, tuple(index_keys)), aux
+
+    def prefill(self, cache, tokens, length, state_row, write_rows, *,
+                attention_backend=None, collect_attention=False):
+        pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        kv, index_keys = cache.kv, list(cache.index_keys)
+        real = pos < length
+        x = self.embed(tokens)
+        for g, layer in enumerate(self.layers):
+            h = layer.norm(x)
+            row = layer.kv(h)
+            kv = kv.write_rows(g, write_rows, row)
+            keys = layer.index_k(h)
+            at = jnp.where(real, pos, index_keys[g].shape[1])  # padding: dropped
+            index_keys[g] = index_keys[g].at[state_row, at].set(keys, mode="drop")
+            topk = layer.select(h, keys, pos)  # positions of this prompt = its own rows
+            stored = kv.encode(row)            # the values a later lookup reads
+            x = layer.finish(x, layer.attend(h, stored[jnp.maximum(topk, 0)], topk >= 0))
+        last = jax.lax.dynamic_index_in_dim(x, length - 1, keepdims=False)
+        return self.logits(last[None])[0], DecodeCache(kv, tuple(index_keys)), {}
+
+    def prefill_chunk(self, cache, tokens, start, length, state_row, pages, *,
+                      host_pages=None, host_pools=(), attention_backend=None,
+                      collect_attention=False):
+        if host_pages is not None:
+            raise ValueError("TinyLM.prefill_chunk cannot stage host-only pages (use "
+                             "EngineConfig.prefix_hit_pages='resident')")
+        T = tokens.shape[0]
+        pos = start + jnp.arange(T, dtype=jnp.int32)
+        real = jnp.arange(T) < length
+        res = jnp.broadcast_to(pages, (T, pages.shape[0]))
+        batch = CacheBatch(jnp.where(real, state_row, -1), pos, jnp.zeros_like(res), res,
+                           jnp.zeros((T, 0), jnp.int32))
+        kv, index_keys = cache.kv, list(cache.index_keys)
+        x = self.embed(tokens)
+        for g, layer in enumerate(self.layers):
+            h = layer.norm(x)
+            kv = kv.write(g, layer.kv(h), batch)
+            keys = index_keys[g]
+            keys = keys.at[state_row, jnp.where(real, pos, keys.shape[1])].set(
+                layer.index_k(h), mode="drop")
+            index_keys[g] = keys
+            topk = jnp.where(real[:, None], layer.select(h, keys[state_row], pos), -1)
+            kv, found = AllResident().lookup(kv, g, topk, batch)  # through its pages
+            rows = kv.caches[g].reshape(-1, W)[jnp.maximum(found.attention_rows, 0)]
+            x = layer.finish(x, layer.attend(h, rows, found.attention_rows >= 0))
+        last = jax.lax.dynamic_index_in_dim(x, length - 1, keepdims=False)
+        return self.logits(last[None])[0], DecodeCache(kv, tuple(index_keys)), {}
+
+    def logits(self, x):
+        return self.head(self.norm(x)).astype(jnp.float32)
 
 
-def run(residency, layer, context, xs, topks):
-    P, Hb, r = CFG.max_pages, CFG.hot_blocks, np.arange(N)[:, None]
-    pages = (1 + r * P + np.arange(P)).astype(np.int32)      # blocks 1 .. N * P
-    context_rows = (pages[:, :, None] * B + np.arange(B)).reshape(N, -1)[:, :CTX]
-    pool = np.zeros((CFG.num_host_blocks, B, W), np.float32)
-    cache = HiSparseKVCache.create(CFG, num_layers=1, residency=residency)
-    src, res, hot = 0 * pages, pages, np.zeros((N, Hb), np.int32)
-    if isinstance(residency, HiSparse):  # the context on host, only the tail page resident
-        src, res = pages, 0 * pages
-        pool.reshape(-1, W)[context_rows] = context
-        res[:, CTX // B] = 1 + N * P + r[:, 0]
-        hot = 1 + N * P + N + r * Hb + np.arange(Hb)
-    else:
-        cache = cache.write_rows(0, jnp.asarray(context_rows.ravel()), context.reshape(-1, W))
-    pools = (jax.device_put(pool, memory_sharding(jax.devices()[0], "pinned_host")),)
-    outs, counts = [], []
-    for t, (x, topk) in enumerate(zip(xs, topks, strict=True)):
-        batch = CacheBatch(jnp.arange(N, dtype=jnp.int32), jnp.full(N, CTX + t, jnp.int32),
-                           jnp.asarray(src), jnp.asarray(res), jnp.asarray(hot), pools)
-        out, cache, found = step(layer, cache, batch, x, topk)
-        outs.append(np.asarray(out))
-        counts.append((int(found.hits.sum()), int(found.misses.sum())))
-    return np.stack(outs), counts
+PROMPTS = [np.random.default_rng(i).integers(0, VOCAB, 20 + 4 * i).tolist() for i in range(5)]
+SERVING = dict(max_seats=3, max_model_len=64, block_size=4, prefill_bucket=16)
+
+
+def serve(model, **mode):
+    """The greedy tokens of every request (in add order) and the engine's summary."""
+    engine = Engine(model, EngineConfig(**SERVING, **mode))
+    try:
+        ids = [engine.add_request(p, max_new_tokens=20) for p in PROMPTS]
+        done = engine.run()
+        return [done[i].generated for i in ids], engine.summary()
+    finally:
+        engine.close()
 
 
 def main() -> None:
-    rng = np.random.default_rng(0)
-    layer = MyAttention(rngs=nnx.Rngs(0))
-    context = rng.standard_normal((N, CTX, W)).astype(np.float32)
-    xs = [jnp.asarray(rng.standard_normal((N, DIM)), jnp.float32) for _ in range(2)]
-    picks = [rng.choice(CTX, 14, replace=False) for _ in range(N)]  # 13 old + this token:
-    topks = [jnp.asarray([np.r_[p[t:t + 13], CTX + t, -1, -1] for p in picks], jnp.int32)
-             for t in range(2)]
-    base, _ = run(AllResident(), layer, context, xs, topks)
-    got, counts = run(HiSparse(), layer, context, xs, topks)
-    print(f"HiSparse (hits, misses) per step: {counts}; max |AllResident - HiSparse| = "
-          f"{np.abs(base - got).max()}")
-    assert counts[0][1] > 0 and counts[1][0] > 0, counts     # read from host, then reused
-    np.testing.assert_allclose(got, base, rtol=1e-6, atol=1e-6)
+    model = TinyLM(rngs=nnx.Rngs(0))
+    resident, _ = serve(model, all_resident=True)
+    tokens, summary = serve(model, num_gpu_blocks=32)  # too small for the requests' pages
+    print(f"HiSparse under pressure: {summary['spilled_pages']} pages spilled, "
+          f"{summary['rows_moved_h2d']} rows read back from host; tokens identical to "
+          f"all-resident: {tokens == resident}")
+    assert summary["spilled_pages"] > 0 and summary["rows_moved_h2d"] > 0, summary
+    assert tokens == resident
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from hisparse_jax import nn
+from hisparse_jax import models as nn
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
 from hisparse_jax.engine import Engine, EngineConfig

@@ -1,6 +1,6 @@
 """hisparse-jax: a host-tiered sparse-attention KV cache (HiSparse) for JAX and Pallas."""
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.ops import (
@@ -25,7 +25,7 @@ __all__ = [
     "invalidate_written_rows",
     "mirror_rows",
     "mirror_rows_group",
-    "nn",
+    "models",
     "reset_rows",
     "resolve_residency",
     "sparse_mla_decode",

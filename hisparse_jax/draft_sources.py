@@ -13,7 +13,7 @@ that probability whatever it is, and so emits tokens the model did not choose.
 
 Sources:
 
-  * `MTPDraft`: the model's multi-token-prediction module (`hisparse_jax.nn.MTPHead`, built
+  * `MTPDraft`: the model's multi-token-prediction module (`hisparse_jax.models.MTPHead`, built
     with `ModelConfig.mtp_layers=1`) drafts k tokens at the end of each step from the hidden
     state of the last accepted row. A randomly initialised module almost never agrees with its
     model: use `AcceptanceRateDraft` to benchmark a trained one's acceptance.
@@ -51,8 +51,9 @@ class DraftSource:
         del vocab_size
         return self
 
-    def check_model(self, model_config: Any) -> None:
-        """ValueError naming `EngineConfig.draft_source` when the model cannot serve it."""
+    def check_model(self, spec: Any) -> None:
+        """ValueError naming `EngineConfig.draft_source` when the model (its
+        `hisparse_jax.models.ModelSpec`) cannot serve it."""
 
     def device_drafts(self, model: Any, hidden: jax.Array, tokens: jax.Array,
                       num_tokens: int) -> jax.Array:
@@ -69,14 +70,14 @@ class DraftSource:
 
 @dataclasses.dataclass(frozen=True)
 class MTPDraft(DraftSource):
-    """Drafts of the model's MTP module (`hisparse_jax.nn.Transformer.draft`), greedy."""
+    """Drafts of the model's MTP module (`ServedModel.draft`, `hisparse_jax.models`), greedy."""
 
-    def check_model(self, model_config: Any) -> None:
-        if not getattr(model_config, "mtp_layers", 0):
+    def check_model(self, spec: Any) -> None:
+        if not spec.has_draft:
             raise ValueError(
                 f"EngineConfig.draft_source=MTPDraft() needs a model with an MTP module; "
-                f"{model_config.name!r} has mtp_layers=0 (build it with mtp_layers=1, or pick "
-                "another draft source)")
+                f"{spec.name!r} has none (its spec has has_draft=False: build the synthetic "
+                "model with mtp_layers=1, or pick another draft source)")
 
     def device_drafts(self, model, hidden, tokens, num_tokens):
         return model.draft(hidden, tokens, num_tokens)

@@ -59,22 +59,23 @@ def figures(engine):
 
 def meshes(out_path, specs):
     os.environ["XLA_FLAGS"] = cpu_devices_flags(4)
-    from hisparse_jax import nn
+    from hisparse_jax import models
     from hisparse_jax.engine import Engine, EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
     from hisparse_jax.engine.metrics import CompileWatch
 
-    models = {False: nn.init_model("tiny", seed=0)}
-    refs = {False: run(Engine(models[False], EngineConfig(**CONFIG, all_resident=True)))}
+    built = {False: models.init_model("tiny", seed=0)}
+    refs = {False: run(Engine(built[False], EngineConfig(**CONFIG, all_resident=True)))}
     record = {"reference": {i: t for i, (t, _) in refs[False].items()}, "meshes": {}}
     for spec in specs:
         shape, mode, *flags = spec.split(":")
         grouped = "grouped" in flags
-        if grouped not in models:
-            models[grouped] = nn.init_model(nn.get_config("tiny", index_group_size=2), seed=0)
-            refs[grouped] = run(Engine(models[grouped],
+        if grouped not in built:
+            built[grouped] = models.init_model(models.get_config("tiny", index_group_size=2),
+                                               seed=0)
+            refs[grouped] = run(Engine(built[grouped],
                                        EngineConfig(**CONFIG, all_resident=True)))
-        model, ref = models[grouped], refs[grouped]
+        model, ref = built[grouped], refs[grouped]
         engine = MeshEngine(model, EngineConfig(**CONFIG, **MODES[mode]),
                             mesh_shape=tuple(int(n) for n in shape.split("x")))
         warm = {}
@@ -155,7 +156,7 @@ def faults(engine):
             return prefill(req, blocks)
 
         manager.admit, runner.prefill = failing_admit, failing_prefill
-    engine._jitted.update(_failing(engine._jitted, {"before": 3, "after": 9}))
+    engine.decoder.jitted.update(_failing(engine.decoder.jitted, {"before": 3, "after": 9}))
     for i, (p, t) in enumerate(requests()):
         engine.add_request(p, max_new_tokens=GEN, temperature=t, request_id=f"r{i}", seed=i)
         if i == 1:
@@ -193,15 +194,15 @@ def refusals(model):
     """The messages of the configurations a 4-device mesh engine refuses, by case."""
     from flax import nnx
 
-    from hisparse_jax import nn
+    from hisparse_jax import models
     from hisparse_jax.engine import EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
 
     cases = {"seats": (model, dict(max_seats=6), (4, 1)),
              "devices": (model, {}, (3, 1)),
              # An abstract model (no initialisation): the check runs before any placement.
-             "heads": (nnx.eval_shape(lambda: nn.Transformer(nn.get_config("tiny", num_heads=2),
-                                                            rngs=nnx.Rngs(0))), {}, (1, 4))}
+             "heads": (nnx.eval_shape(lambda: models.Transformer(
+                 models.get_config("tiny", num_heads=2), rngs=nnx.Rngs(0))), {}, (1, 4))}
     out = {}
     for name, (m, kw, shape) in cases.items():
         try:
@@ -219,12 +220,12 @@ def process(out_path, spec, port, process_id):
     _compat.initialize_distributed(f"localhost:{port}", 2, int(process_id))
     import jax
 
-    from hisparse_jax import nn
+    from hisparse_jax import models
     from hisparse_jax.engine import EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
 
     shape, mode = spec.split(":")
-    engine = MeshEngine(nn.init_model("tiny", seed=0), EngineConfig(**CONFIG, **MODES[mode]),
+    engine = MeshEngine(models.init_model("tiny", seed=0), EngineConfig(**CONFIG, **MODES[mode]),
                         mesh_shape=tuple(int(n) for n in shape.split("x")))
     got = run(engine)
     record = {"process": jax.process_index(), "devices": len(jax.devices()),

@@ -1,7 +1,7 @@
 """examples/decode.py's command line: every bad argument is refused at parsing, before any
 work, with exit status 2 and one line naming the flag and the rule; no silent fallbacks.
 
-`main([...])` runs in-process (capsys, pytest.raises(SystemExit)); `nn.init_model` is made
+`main([...])` runs in-process (capsys, pytest.raises(SystemExit)); `models.init_model` is made
 to fail the test wherever a bad argument must stop before any work. One subprocess checks
 that a refused configuration prints no traceback. The good default run is covered by
 tests/test_engine.py::test_example_runs_end_to_end (not repeated here: it decodes).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from examples import decode
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import EngineConfig
 from host_tier import CapacityError
 
@@ -31,8 +31,8 @@ PROG = "decode.py"
 def no_work(monkeypatch):
     """Any model construction fails the test: the argument had to be refused before."""
     def boom(*args, **kwargs):
-        pytest.fail("a bad argument reached nn.init_model (work ran before the check)")
-    monkeypatch.setattr(nn, "init_model", boom)
+        pytest.fail("a bad argument reached models.init_model (work ran before the check)")
+    monkeypatch.setattr(models, "init_model", boom)
 
 
 def refused(argv, capsys) -> str:
@@ -117,7 +117,7 @@ def test_cross_field_rules_are_checked_before_any_work(argv, names, capsys, no_w
 
 def test_fitting_lengths_pass_the_checks(no_work):
     """The bound is inclusive: prompt + new tokens == max_model_len is accepted (the run
-    then stops at nn.init_model, which no_work turns into a failure: so check_args only)."""
+    then stops at models.init_model, which no_work turns into a failure: so check_args only)."""
     p = decode.build_parser()
     args = p.parse_args(["--prompt-len", "40", "--gen-len", "30", "--max-model-len", "70",
                          "--hot-size", "16", "--check", "--temperature", "0.8"])
@@ -260,7 +260,7 @@ def _config(argv, all_resident=False) -> EngineConfig:
 
 def test_omitted_flags_mean_their_defaults():
     default = _config([])
-    assert default.hot_size == 2 * nn.CONFIGS["tiny"].top_k          # rounded up to B = 4
+    assert default.hot_size == 2 * models.CONFIGS["tiny"].top_k          # rounded up to B = 4
     assert default == _config(["--gpu-pool-fraction", str(decode.DEFAULT_GPU_POOL_FRACTION)])
     assert _config(["--top-k", "6"]).hot_size == 12
     assert _config(["--top-k", "6", "--block-size", "8"]).hot_size == 16
@@ -285,7 +285,7 @@ def test_speculation_flags_reach_the_model_and_engine_configs():
     assert decode.model_config(args).mtp_layers == 1  # MTP drafts: the model gets the module
     ec = _config(["--speculative-tokens", "2"])
     assert ec.num_speculative_tokens == 2 and ec.draft_source is None
-    assert ec.hot_size == 2 * 3 * nn.CONFIGS["tiny"].top_k
+    assert ec.hot_size == 2 * 3 * models.CONFIGS["tiny"].top_k
     args = decode.build_parser().parse_args(["--speculative-tokens", "1",
                                              "--acceptance-rate", "0.7"])
     assert decode.model_config(args).mtp_layers == 0
@@ -342,7 +342,7 @@ class _RefusingEngine:
     def __init__(self, model, ec):
         if self.refuse_at == "init":
             raise ValueError("Coordinator.num_gpu_blocks must be >= 9,\n got 3")
-        self.model_config = nn.CONFIGS["tiny"]
+        self.model_config = models.CONFIGS["tiny"]
 
     def add_request(self, *args, **kwargs):
         raise CapacityError("the device pool cannot hold a 64-token prompt: needs 20 blocks")
@@ -354,7 +354,7 @@ class _RefusingEngine:
 @pytest.mark.parametrize("refuse_at, flag", [("init", "--gpu-blocks"),
                                              ("add_request", "--gpu-blocks")])
 def test_engine_refusal_is_one_line_naming_the_flag(refuse_at, flag, monkeypatch, capsys):
-    monkeypatch.setattr(nn, "init_model", lambda *a, **k: object())
+    monkeypatch.setattr(models, "init_model", lambda *a, **k: object())
     monkeypatch.setattr(_RefusingEngine, "refuse_at", refuse_at)
     monkeypatch.setattr(_RefusingEngine, "closed", 0)
     monkeypatch.setattr(decode, "Engine", _RefusingEngine)

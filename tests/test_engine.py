@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax import cache as cache_module
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
 from pallas_kernels._compat import jit_cache_size
@@ -28,7 +28,7 @@ GEN = 28
 
 @functools.cache
 def tiny_model():
-    return nn.init_model("tiny", seed=0)
+    return models.init_model("tiny", seed=0)
 
 
 def _run(**overrides):
@@ -77,7 +77,7 @@ def test_hisparse_under_pressure_matches_all_resident(all_resident, pressured):
 def _grouped_runs():
     """The tiny model with both layers in one index group, all-resident and under pressure
     with the host pool packed (the group's layers side by side in one array) and not."""
-    model = nn.init_model(nn.get_config("tiny", index_group_size=2), seed=0)
+    model = models.init_model(models.get_config("tiny", index_group_size=2), seed=0)
     out = {}
     for name, kw in (("all_resident", dict(all_resident=True)),
                      ("packed", dict(num_gpu_blocks=44)),
@@ -314,7 +314,7 @@ def test_gpu_scale_fp8_matches_all_resident():
 
 
 def _gpu_scale_matches_all_resident(kv_format):
-    model = nn.init_model("dsv32-2l", seed=0)
+    model = models.init_model("dsv32-2l", seed=0)
     prompts = [np.random.default_rng(i).integers(0, 129280, 3000 + 71 * i).tolist()
                for i in range(8)]
     results = []

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
 from host_tier import Coordinator
@@ -37,7 +37,7 @@ KINDS = {
 
 @functools.cache
 def tiny_model():
-    return nn.init_model("tiny", seed=0)
+    return models.init_model("tiny", seed=0)
 
 
 @functools.cache
@@ -268,7 +268,7 @@ def test_async_token_history_gets_the_real_ids():
         engine.step()
         req = engine.running[rid]
         assert list(manager._requests[rid].token_ids) == [*req.prompt, *req.generated]
-    assert engine._flight is not None  # step t + 1 in flight, its fed token set already
+    assert engine._loop.flight is not None  # step t + 1 in flight, its fed token set already
     with pytest.raises(ValueError, match=r"set_token_ids\[0\]: index must be an int in"):
         manager.set_token_ids([(rid, 10 ** 6, 1)])
     with pytest.raises(ValueError, match="is not admitted"):
@@ -286,12 +286,12 @@ def test_async_run_and_close_drain_the_step_in_flight():
     engine.warmup()
     engine.add_request(_prompt(7, 5), max_new_tokens=6, request_id="a")
     engine.run(max_steps=3)
-    assert engine._flight is None
+    assert engine._loop.flight is None
     assert len(engine.running["a"].generated) == 3  # prefill + two decode steps collected
     engine.step()
-    assert engine._flight is not None
+    assert engine._loop.flight is not None
     engine.close()
-    assert engine._flight is None and len(engine.running["a"].generated) == 4
+    assert engine._loop.flight is None and len(engine.running["a"].generated) == 4
     assert engine.trace_counts["decode_fast"] == 1 and engine.metrics.compile_seconds == 0
 
 

@@ -26,7 +26,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.cache import AllResident, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
@@ -48,7 +48,7 @@ GEN = 10
 
 @functools.cache
 def tiny_model():
-    return nn.init_model("tiny", seed=0)
+    return models.init_model("tiny", seed=0)
 
 
 # --------------------------------------------------------------------------- the model
@@ -67,7 +67,7 @@ def _model_steps():
 
     def fresh():
         kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=AllResident())
-        return nn.DecodeCache(kv, tuple(jnp.zeros((2, MAX_LEN, mc.index_dim), mc.kv_dtype)
+        return models.DecodeCache(kv, tuple(jnp.zeros((2, MAX_LEN, mc.index_dim), mc.kv_dtype)
                                         for _ in range(mc.num_groups)))
 
     @jax.jit

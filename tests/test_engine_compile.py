@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import Engine, EngineConfig, compile_cache
 from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.runner import variant_name
@@ -22,7 +22,7 @@ from host_tier.sizes import pow2_bucket
 
 @functools.cache
 def tiny_model():
-    return nn.init_model("tiny", seed=0)
+    return models.init_model("tiny", seed=0)
 
 
 def _record_buckets(engine):
@@ -184,11 +184,11 @@ def test_engine_enables_the_cache_unless_told_not_to(tmp_path, monkeypatch,
 
 _FIRST_ENGINE = """
 import json
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.topk_sources import DriftTopK
 
-engine = Engine(nn.init_model("tiny", seed=0), EngineConfig(
+engine = Engine(models.init_model("tiny", seed=0), EngineConfig(
     max_seats=4, max_model_len=96, block_size=4, prefill_bucket=96, num_gpu_blocks=44,
     ops_backend="triton", topk_source=DriftTopK(seed=1), synthetic_prefill=True))
 for n in (40, 45, 50, 55):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
@@ -33,7 +33,7 @@ FP8 = "fp8_ds_mla"
 
 @functools.cache
 def model():
-    return nn.init_model("tiny576", seed=0)
+    return models.init_model("tiny576", seed=0)
 
 
 def _run(**overrides):
@@ -133,7 +133,7 @@ def test_fp8_engine_config_errors():
         EngineConfig(kv_format=None)
     # The tiny config's rows are 64 + 32 wide: the format cannot store them.
     with pytest.raises(ValueError, match=r"EngineConfig\.kv_format='fp8_ds_mla' stores rows"):
-        Engine(nn.init_model("tiny"), EngineConfig(kv_format=FP8))
+        Engine(models.init_model("tiny"), EngineConfig(kv_format=FP8))
     with pytest.raises(ValueError, match=r"HiSparseConfig\.kv_format"):
         HiSparseConfig(top_k=4, hot_size=8, block_size=4, max_num_reqs=1, kv_format="e4m3")
     with pytest.raises(ValueError, match=r"HiSparseConfig\.kv_format: .*576"):
@@ -178,7 +178,7 @@ def _teacher_forced(kv_format, prompt, steps):
                          row_width=mc.row_width, kv_dtype=mc.kv_dtype, kv_format=kv_format,
                          max_model_len=L, num_gpu_blocks=1 + L // B)
     kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=AllResident())
-    cache = nn.DecodeCache(kv, tuple(jnp.zeros((1, L, mc.index_dim), mc.kv_dtype)
+    cache = models.DecodeCache(kv, tuple(jnp.zeros((1, L, mc.index_dim), mc.kv_dtype)
                                      for _ in range(mc.num_groups)))
     table = jnp.arange(1, 1 + L // B, dtype=jnp.int32)[None]
     n = len(prompt)
@@ -189,7 +189,7 @@ def _teacher_forced(kv_format, prompt, steps):
     feed = np.random.default_rng(7).integers(0, mc.vocab_size, steps)
     for i in range(steps):
         zeros = jnp.zeros_like(table)
-        batch = nn.DecodeBatch(jnp.asarray(feed[i:i + 1], jnp.int32), CacheBatch(
+        batch = models.DecodeBatch(jnp.asarray(feed[i:i + 1], jnp.int32), CacheBatch(
             jnp.zeros(1, jnp.int32), jnp.asarray([n + i], jnp.int32), src=zeros, res=table,
             hot=zeros[:, :1]))
         logits, cache, aux = m.decode(cache, batch, collect_attention=True)

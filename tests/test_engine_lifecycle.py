@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.ops import _registry
 from host_tier import CapacityError, Coordinator
@@ -28,7 +28,7 @@ PRESSURE = dict(num_gpu_blocks=28)
 
 @functools.cache
 def tiny_model():
-    return nn.init_model("tiny", seed=0)
+    return models.init_model("tiny", seed=0)
 
 
 def _prompt(i, n):

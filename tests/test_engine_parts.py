@@ -7,16 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.cache import AllResident, HiSparse, NaiveOffload
 from hisparse_jax.engine import EngineConfig, Metrics, Request
 from hisparse_jax.engine.metrics import StepClock, summarise
-from hisparse_jax.engine.residency import NoTransfers, StaticResidency
 from hisparse_jax.engine.sampler import base_key, sample, token_keys
 from hisparse_jax.engine.scheduler import Scheduler
+from hisparse_jax.engine.static_residency import NoTransfers, StaticResidency
 from host_tier import Coordinator, TransferReport, Wait
 
-TINY = nn.get_config("tiny")  # top_k 16
+TINY = models.get_config("tiny")  # top_k 16
 
 
 def test_engine_config_gives_one_hisparse_config_per_mode():

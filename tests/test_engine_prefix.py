@@ -30,7 +30,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.engine.metrics import CompileWatch
@@ -45,7 +45,7 @@ GEN = 8
 
 @functools.cache
 def tiny_model():
-    return nn.init_model("tiny", seed=0)
+    return models.init_model("tiny", seed=0)
 
 
 def _tokens(seed: int, n: int) -> list[int]:

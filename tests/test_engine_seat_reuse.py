@@ -23,10 +23,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.engine.residency import StaticResidency
+from hisparse_jax.engine.static_residency import StaticResidency
 from tests.engine_reference import AllResidentReference, assert_idle
 from tests.test_engine_prefix import _tokens
 
@@ -39,11 +39,11 @@ GEN = 6
 # and flip a near-tie of the indexer's top-k (seen: tiny, 3 turns, seed 1087: the reference
 # decoded a different second token; with float32 rows both decode the reused seat's tokens).
 # What these tests check, which rows are reused and read, does not depend on the row dtype.
-MODEL = dataclasses.replace(nn.get_config("tiny"), kv_dtype="float32")
+MODEL = dataclasses.replace(models.get_config("tiny"), kv_dtype="float32")
 
 
 def tiny_model():
-    return nn.init_model(MODEL, seed=0)
+    return models.init_model(MODEL, seed=0)
 
 
 # --------------------------------------------------------------------------- the manager

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.draft_sources import AcceptanceRateDraft, MTPDraft, ScriptedDraft
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
@@ -46,7 +46,7 @@ def _accept(seed):
 
 @functools.cache
 def tiny_model():
-    return nn.init_model(nn.get_config("tiny", mtp_layers=1), seed=0)
+    return models.init_model(models.get_config("tiny", mtp_layers=1), seed=0)
 
 
 def _serve(**overrides):
@@ -181,7 +181,7 @@ def test_speculation_config_errors_name_the_field():
         EngineConfig(union_resolution=False)
     with pytest.raises(ValueError, match="acceptance_rate must be a number in"):
         AcceptanceRateDraft(1.5)
-    plain = nn.init_model("tiny", seed=0)  # no MTP module
+    plain = models.init_model("tiny", seed=0)  # no MTP module
     with pytest.raises(ValueError, match="needs a model with an MTP module"):
         Engine(plain, EngineConfig(num_speculative_tokens=1))
     with pytest.raises(ValueError, match=r"hot_size must be >= \(1 \+ num_speculative_tokens\)"):
@@ -191,7 +191,7 @@ def test_speculation_config_errors_name_the_field():
 
 
 def test_mtp_module_leaves_the_main_model_unchanged():
-    plain, with_mtp = nn.init_model("tiny", seed=0), tiny_model()
+    plain, with_mtp = models.init_model("tiny", seed=0), tiny_model()
     assert plain.mtp is None and with_mtp.mtp is not None
     np.testing.assert_array_equal(plain.lm_head.kernel[...], with_mtp.lm_head.kernel[...])
     np.testing.assert_array_equal(plain.blocks[1].mlp.up.kernel[...],
@@ -209,7 +209,7 @@ def test_gpu_scale_speculation_under_pressure_matches_plain_decoding():
     so the baseline keeps the row count (the model's arithmetic per row is then the same)."""
     import jax
 
-    model = nn.init_model("dsv32-2l", seed=0)
+    model = models.init_model("dsv32-2l", seed=0)
     prompts = [np.random.default_rng(i).integers(0, 129280, 3000 + 71 * i).tolist()
                for i in range(8)]
     base = dict(max_model_len=4096, block_size=64, prefill_bucket=4096,

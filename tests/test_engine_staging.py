@@ -26,7 +26,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.cache import AllResident, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, EngineConfig
@@ -170,8 +170,8 @@ def _grouped_steps():
     """The tiny model with one index group of both layers (the second layer reads the
     leader's staged rows), its jitted chunk prefill (staged when host pages are given) and a
     fresh all-resident cache of two state rows (the request uses row 1)."""
-    mc = nn.get_config("tiny", index_group_size=2)
-    graphdef, state = nnx.split(nn.init_model(mc, seed=1))
+    mc = models.get_config("tiny", index_group_size=2)
+    graphdef, state = nnx.split(models.init_model(mc, seed=1))
     cfg = HiSparseConfig(top_k=mc.top_k, hot_size=mc.top_k, block_size=B, max_num_reqs=2,
                          row_width=mc.row_width, kv_dtype=mc.kv_dtype,
                          max_model_len=SIZES["max_model_len"],
@@ -180,7 +180,7 @@ def _grouped_steps():
     def fresh():
         kv = HiSparseKVCache.create(cfg, num_layers=mc.num_layers, residency=AllResident(),
                                     index_group_size=mc.index_group_size)
-        return nn.DecodeCache(kv, tuple(jnp.zeros((2, cfg.max_model_len, mc.index_dim),
+        return models.DecodeCache(kv, tuple(jnp.zeros((2, cfg.max_model_len, mc.index_dim),
                                                   mc.kv_dtype) for _ in range(mc.num_groups)))
 
     @jax.jit

@@ -53,7 +53,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.draft_sources import ScriptedDraft
 from hisparse_jax.engine import Engine, EngineConfig
 from host_tier import CapacityError
@@ -113,7 +113,7 @@ def engines(speculative_tokens=0):
     """(HiSparse engine under pressure, its faults, the all-resident reference); built once
     per session (per number of speculative tokens: with k > 0 drafts come from the
     reference, right or wrong at random, and the hot regions hold 1 + k steps' top-k)."""
-    model = nn.init_model("tiny", seed=0)
+    model = models.init_model("tiny", seed=0)
     k = speculative_tokens
     # The reference decodes as many rows per step as the speculative engine verifies (3 seats
     # of 1 + k rows): a matmul of another row count rounds differently, and a near-tie of the

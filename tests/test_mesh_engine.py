@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hisparse_jax import nn
+from hisparse_jax import models
 from hisparse_jax.engine.mesh import make_mesh, param_specs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,14 +133,13 @@ def test_bad_meshes_are_refused_naming_the_rule(meshes):
 
 def test_param_specs_split_the_dense_kernels_over_the_model_axis():
     import jax
-    from flax import nnx
 
-    _, state = nnx.split(nn.init_model("tiny", seed=0))
-    specs = param_specs(state, 2)
+    model = models.init_model("tiny", seed=0)
+    specs = param_specs(model, 2)
     split = sum(any(s) for s in specs)
     assert 0 < split < len(specs)  # norms stay replicated
     with pytest.raises(ValueError, match="model axis \\(3\\) must divide"):
-        param_specs(state, 3)
+        param_specs(model, 3)
     with pytest.raises(ValueError, match="needs data \\* model = 2 devices"):
         make_mesh((2, 1))
     with pytest.raises(ValueError, match="mesh_shape must be"):
@@ -165,7 +164,7 @@ def test_two_processes_decode_the_single_device_tokens(tmp_path, spec):
     for proc in procs:
         _wait(proc)
     records = [json.loads(o.read_text()) for o in outs]
-    ref = _mesh_worker.run(Engine(nn.init_model("tiny", seed=0),
+    ref = _mesh_worker.run(Engine(models.init_model("tiny", seed=0),
                                   EngineConfig(**_mesh_worker.CONFIG, all_resident=True)))
     merged = {}
     for i, r in enumerate(records):

@@ -1,10 +1,15 @@
 """The decode engine, in parts: `Engine` (engine.py) composes the `Scheduler`
 (scheduler.py), a residency manager (the host tier's `Coordinator`, or `StaticResidency` of
-residency.py), the `Runner` (runner.py: device arrays, jitted steps, warmup), `Metrics`
-(metrics.py), `Request` (request.py), sampling (sampler.py: per-request keys) and
-`EngineConfig` (config.py, validated at construction); compile_cache.py turns on jax's
-persistent compilation cache. The request lifecycle (validation, errors, cancel, recovery
-after a failed step) is in engine.py's docstring.
+static_residency.py), the `Runner` (runner.py: dispatch and collection, over `StepBuilder` in
+step_builder.py: the jitted steps, `DeviceState` in device_state.py: the arrays and their
+rebuild, and warmup.py), a step loop (loops.py) over the one step path (step.py: `execute`
+runs a scheduled plan), the request front (front.py: `Intake`), `Metrics` (metrics.py),
+`Request` (request.py), sampling (sampler.py: per-request keys), prefix caching's index keys
+(page_keys.py over prefix_keys.py) and `EngineConfig` (config.py, validated at
+construction); compile_cache.py turns on jax's persistent compilation cache. `MeshEngine`
+(mesh.py, mesh_step.py) composes the same parts per data shard of a mesh. The engines serve
+any model implementing `hisparse_jax.models.ServedModel`. The request lifecycle
+(validation, errors, cancel, recovery after a failed step) is in engine.py's docstring.
 """
 
 from hisparse_jax.engine.config import EngineConfig

@@ -111,7 +111,7 @@ class EngineConfig:
         HiSparse mode with k > 0 only).
       prefill_chunk_size: None: a prompt is prefilled in one shot at admission. An int C >= 1:
         in chunks of at most C tokens, one chunk per request and step, sharing steps with the
-        other requests' decode (`Transformer.prefill_chunk`); a request samples its first
+        other requests' decode (the model's `prefill_chunk`); a request samples its first
         token after its last chunk. Its pages stay resident until then
         (`docs/semantics.md`, chunked prefill). Needs the indexer (no `topk_source`): a chunk
         selects over the earlier chunks' index keys.
@@ -127,7 +127,7 @@ class EngineConfig:
       enable_prefix_caching: reuse the published pages of earlier requests (`host_tier`'s
         prefix cache: full pages named by a chained hash of their tokens, published once
         their host copies completed): a prompt that starts with published pages prefills
-        only its remaining tokens (`Transformer.prefill_chunk` from the first uncached
+        only its remaining tokens (the model's `prefill_chunk` from the first uncached
         position, also without prefill_chunk_size), its hit pages restored into resident
         blocks (or read by staging: prefix_hit_pages) and their index keys copied into its
         seat (the engine keeps the keys of every published page on the host:
@@ -142,7 +142,7 @@ class EngineConfig:
         prefill (with enable_prefix_caching): "restore" (default) gives each a resident block
         and a whole-page restore from host before the prefill; "stage" leaves them host-only
         (read through the hot region once the request decodes) and each prefill chunk stages
-        just the rows its query rows select from them (`Transformer.prefill_chunk` staging,
+        just the rows its query rows select from them (the model's `prefill_chunk` staging,
         `docs/semantics.md`, prefill staging).
       pack_host_layers: the host pool keeps the layers of an index group side by side, one
         array per group with rows index_group_size x wider (default True): the group's one
@@ -296,33 +296,33 @@ class EngineConfig:
         for name, ops in (("attention_backend", ATTENTION_OPS), ("ops_backend", DATA_PLANE_OPS)):
             object.__setattr__(self, name, _check_backend(name, getattr(self, name), ops))
 
-    def check_model(self, model_config: Any) -> None:
-        """The rules that involve the model (`hisparse_jax.nn.ModelConfig`): an explicit
+    def check_model(self, spec: Any) -> None:
+        """The rules that involve the model (its `hisparse_jax.models.ModelSpec`): an explicit
         `hot_size` holds one step's top-k (hot_size >= top_k); `kv_format` "fp8_ds_mla"
         stores rows of 512 latent + 64 rope values (kv_lora_rank 512, rope_dim 64).
         ValueError naming the field."""
-        if self.kv_format == kvf.FP8_DS_MLA and (model_config.kv_lora_rank, model_config.rope_dim
+        if self.kv_format == kvf.FP8_DS_MLA and (spec.kv_lora_rank, spec.rope_dim
                                                  ) != (kvf.LATENT_DIM, kvf.ROPE_DIM):
             raise ValueError(
                 f"EngineConfig.kv_format={self.kv_format!r} stores rows of {kvf.LATENT_DIM} "
-                f"latent + {kvf.ROPE_DIM} rope values; the model {model_config.name!r} has "
-                f"kv_lora_rank {model_config.kv_lora_rank} + rope_dim {model_config.rope_dim} "
+                f"latent + {kvf.ROPE_DIM} rope values; the model {spec.name!r} has "
+                f"kv_lora_rank {spec.kv_lora_rank} + rope_dim {spec.rope_dim} "
                 f"(use e.g. the 'tiny576' or 'dsv32-2l' config)")
         rows = 1 + self.num_speculative_tokens
-        if self.hot_size is not None and self.hot_size < rows * model_config.top_k:
+        if self.hot_size is not None and self.hot_size < rows * spec.top_k:
             raise ValueError(
                 f"EngineConfig.hot_size must be >= (1 + num_speculative_tokens) * the model's "
-                f"top_k ({rows} x {model_config.top_k}: each miss of a step needs its own hot "
+                f"top_k ({rows} x {spec.top_k}: each miss of a step needs its own hot "
                 f"slot), got {self.hot_size}")
         if self.draft is not None:
-            self.draft.check_model(model_config)
+            self.draft.check_model(spec)
 
-    def check_platform(self, model_config: Any, cfg: HiSparseConfig) -> None:
+    def check_platform(self, spec: Any, cfg: HiSparseConfig) -> None:
         """The backends can run this engine's calls on this platform: asks the op registry
         (`hisparse_jax.ops._registry.unsupported`) with the shapes of the decode and prefill
         attention calls and of the data-plane ops. ValueError naming the field and the
         registry's reason. Backend None always passes (the registry picks what runs)."""
-        mc = model_config
+        mc = spec
         if self.attention_backend is not None:
             dt, width, k = cfg.kv_dtype, mc.row_width, mc.top_k
             rows = cfg.num_gpu_blocks * cfg.block_size
@@ -343,10 +343,10 @@ class EngineConfig:
                     raise ValueError(f"EngineConfig.ops_backend={self.ops_backend!r} cannot run "
                                      f"{op} on this platform: {reason}")
 
-    def stored_row(self, model_config: Any) -> tuple[int, np.dtype]:
-        """(width, dtype) of one stored KV row of `model_config` in `kv_format`: the last
+    def stored_row(self, spec: Any) -> tuple[int, np.dtype]:
+        """(width, dtype) of one stored KV row of a model of `spec` in `kv_format`: the last
         dim and element type of the device caches and the host pool."""
-        width, dtype = model_config.row_width, model_config.kv_dtype
+        width, dtype = spec.row_width, spec.kv_dtype
         return (kvf.storage_width(self.kv_format, width),
                 np.dtype(kvf.storage_dtype(self.kv_format, dtype)))
 
@@ -372,15 +372,15 @@ class EngineConfig:
             return None
         return self.draft_source if self.draft_source is not None else MTPDraft()
 
-    def host_layers_per_array(self, model_config: Any) -> int:
+    def host_layers_per_array(self, spec: Any) -> int:
         """The host pool's layers per array (`pack_host_layers`): the model's index group
         size, or 1."""
-        return model_config.index_group_size if self.pack_host_layers else 1
+        return spec.index_group_size if self.pack_host_layers else 1
 
-    def hisparse_config(self, model_config, *, num_host_blocks: int | None = None
+    def hisparse_config(self, spec, *, num_host_blocks: int | None = None
                         ) -> HiSparseConfig:
-        """The one `HiSparseConfig` of an engine serving `model_config`
-        (`hisparse_jax.nn.ModelConfig`).
+        """The one `HiSparseConfig` of an engine serving a model of `spec`
+        (`hisparse_jax.models.ModelSpec`).
 
         Device blocks: all-resident, one full-length request per seat (plus the null block);
         otherwise `num_gpu_blocks`, by default every seat full length plus its hot region.
@@ -388,7 +388,7 @@ class EngineConfig:
         else this config's, else `max_seats + 1` full-length requests.
         """
         B, S = self.block_size, self.max_seats
-        mc = model_config
+        mc = spec
         max_pages = cdiv(self.max_model_len, B)
         k = self.num_speculative_tokens
         hot_size = self.hot_size or (round_up((1 + k) * mc.top_k, B) if self.naive_offload

@@ -36,7 +36,7 @@ has run their step, so that an engine step that fails half-way can put them back
 `requeue`).
 
 The manager is a `host_tier.Coordinator` (HiSparse, naive offload) or a
-`hisparse_jax.engine.residency.StaticResidency` (all-resident); the worker a
+`hisparse_jax.engine.static_residency.StaticResidency` (all-resident); the worker a
 `host_tier.TransferEngine` or `NoTransfers`.
 """
 

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from hisparse_jax.cache import AllResident
 from hisparse_jax.engine import compile_cache
+from hisparse_jax.engine import warmup as _warmup
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.engine import residency_parts
 from hisparse_jax.engine.front import (
@@ -79,7 +80,6 @@ from hisparse_jax.engine.step import (
     raise_notes,
     recover_parts,
 )
-from hisparse_jax.engine import warmup as _warmup
 from hisparse_jax.engine.warmup import reachable_variants
 from hisparse_jax.models.protocol import ServedModel
 from host_tier import DeviceBlockTables, HostPool

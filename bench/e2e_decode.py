@@ -62,7 +62,16 @@ import numpy as np  # noqa: E402
 
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
 from hisparse_jax import models as nn  # noqa: E402
-from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
+from hisparse_jax.engine import (  # noqa: E402
+    AllResident,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    Tuning,
+)
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
 from host_tier.sizes import cdiv  # noqa: E402
@@ -108,21 +117,27 @@ def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str
                 extra: dict[str, Any] | None = None) -> Engine:
     """`build(model, config)` makes the engine instead of `Engine` (`bench/mesh_decode.py`:
     a mesh engine of `shards` data shards, each with the `sizes` budget); `extra`: more
-    `EngineConfig` fields (`bench/speculative.py`: speculation)."""
+    `EngineConfig` fields (`bench/speculative.py`: speculation), and "per_row" for the
+    HiSparse residency's per-row ablation."""
     seats = (min(concurrency, shards * sizes["all_resident_cap"]) if mode == "all-resident"
              else concurrency)
     if seats < 1:
         raise Skip("the GPU KV budget holds no full request")
+    extra = dict(extra or {})
+    per_row = extra.pop("per_row", False)
     ec = EngineConfig(
-        max_seats=seats, max_model_len=sizes["max_model_len"], block_size=args.block_size,
-        hot_size=None if mode == "naive-offload" else args.hot_size,
-        num_gpu_blocks=None if mode == "all-resident" else sizes["gpu_blocks"],
-        all_resident=mode == "all-resident", naive_offload=mode == "naive-offload",
-        topk_source=source, synthetic_prefill=True, prefill_bucket=args.context, seed=0,
-        kv_format=kv_format, position_map=not getattr(args, "no_position_map", False),
-        copy_programs=getattr(args, "copy_programs", None),
-        copy_with_attention=getattr(args, "copy_with_attention", True),
-        async_scheduling=getattr(args, "async_scheduling", False), **(extra or {}))
+        sizes=Sizes(max_seats=seats, max_model_len=sizes["max_model_len"],
+                    block_size=args.block_size,
+                    hot_size=None if mode == "naive-offload" else args.hot_size,
+                    num_gpu_blocks=None if mode == "all-resident" else sizes["gpu_blocks"]),
+        residency=(AllResident() if mode == "all-resident" else NaiveOffload()
+                   if mode == "naive-offload" else HiSparse(per_row=per_row)),
+        topk_source=source, prefill=PrefillPolicy(bucket=args.context, synthetic=True), seed=0,
+        kv_format=kv_format,
+        tuning=Tuning(position_map=not getattr(args, "no_position_map", False),
+                      copy_programs=getattr(args, "copy_programs", None),
+                      copy_with_attention=getattr(args, "copy_with_attention", True)),
+        async_scheduling=getattr(args, "async_scheduling", False), **extra)
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
     rng = np.random.default_rng(0)
@@ -142,13 +157,14 @@ def ramp(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     `--warmup-steps` more."""
     t0 = time.perf_counter()
     steps = 0
-    target = engine.config.max_seats
+    target = engine.config.sizes.max_seats
     manager = engine.scheduler.manager
 
     def backlog() -> int:
         return getattr(manager, "num_dirty_sealed_pages", 0)
 
-    while (len(engine.running) < target or (engine.waiting and not engine.config.all_resident)
+    while (len(engine.running) < target
+           or (engine.waiting and not isinstance(engine.config.residency, AllResident))
            or backlog() > len(engine.running)):
         engine.step()
         steps += 1
@@ -225,7 +241,7 @@ class Window:
             "kv_format": e.config.kv_format,
             "async_scheduling": e.config.async_scheduling,
             "row_bytes": e.row_bytes,
-            "seats": e.config.max_seats,
+            "seats": e.config.sizes.max_seats,
             "decode_tokens_per_s": float(np.sum(self.tokens) / (t.sum() + sum(self.drains))),
             "itl_ms_p50": float(1e3 * np.percentile(t, 50)),
             "itl_ms_p95": float(1e3 * np.percentile(t, 95)),
@@ -460,11 +476,11 @@ def add_copy_flags(p: argparse.ArgumentParser) -> None:
     """The engine's copy options (--copy-programs, --copy-with-attention), read by
     `make_engine`'s EngineConfig; shared with `bench.profile_step`."""
     p.add_argument("--copy-programs", type=int, default=None,
-                   help="EngineConfig.copy_programs: at most this many GPU programs move a "
+                   help="EngineConfig.tuning.copy_programs: at most this many GPU programs move a "
                         "step's copies from host (default: a program per chunk of misses)")
     p.add_argument("--copy-with-attention", action=argparse.BooleanOptionalAction,
                    default=True,
-                   help="EngineConfig.copy_with_attention: each index group after the first "
+                   help="EngineConfig.tuning.copy_with_attention: each index group after the first "
                         "looked up ahead, its copies from host in the launch of the previous "
                         "group's first attention")
 

@@ -8,13 +8,13 @@ finished, so each turn's figures compare across modes.
 
 Modes (one engine each, one after another, the same model, GPU KV budget and workload):
 
-  * `hisparse-reuse`: the host tier with prefix reuse (`EngineConfig.enable_prefix_caching`):
+  * `hisparse-reuse`: the host tier with prefix reuse (`EngineConfig.prefill.prefix_caching`):
     a turn's prompt hits the pages its conversation published, on the GPU or in the pinned
     pool, and only the new tokens are prefilled (`--prefix-hit-pages`: pool pages restored
     whole before the prefill, or only the rows its chunks select staged);
   * `hisparse`: the host tier, every turn prefills its whole prompt again;
   * `all-resident-reuse`: every row on the GPU (no host tier) with seat reuse
-    (`EngineConfig.enable_prefix_caching` in the all-resident mode: a finished turn's seat
+    (`EngineConfig.prefill.prefix_caching` in the all-resident mode: a finished turn's seat
     keeps its rows and the conversation's next turn reuses them while nobody else took the
     seat); the same GPU KV budget holds `(budget - 1) // pages` full conversations at once
     (seats), the rest wait;
@@ -47,7 +47,7 @@ import numpy as np
 
 from bench._common import RESULTS_DIR, write_result
 from hisparse_jax import models as nn
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import AllResident, Engine, EngineConfig, HiSparse, PrefillPolicy, Sizes
 from host_tier.sizes import cdiv
 
 MODES = ("hisparse-reuse", "hisparse", "all-resident-reuse", "all-resident")
@@ -85,18 +85,16 @@ def engine_config(args: argparse.Namespace, mode: str) -> EngineConfig:
     if all_resident and resident_seats < 1:
         raise ValueError(f"the GPU KV budget of {budget} blocks holds no full conversation "
                          f"of {max_model_len(args)} tokens")
-    fields: dict[str, Any] = dict(
-        max_seats=resident_seats if all_resident else args.conversations,
-        max_model_len=max_model_len(args), block_size=args.block_size,
-        hot_size=args.hot_size, prefill_chunk_size=args.prefill_chunk_size,
-        prefill_bucket=args.prefill_chunk_size,
-        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
-        num_gpu_blocks=None if all_resident else budget, all_resident=all_resident, seed=0)
-    if mode.endswith("-reuse"):
-        fields["enable_prefix_caching"] = True
-    if mode == "hisparse-reuse":
-        fields["prefix_hit_pages"] = args.prefix_hit_pages
-    return EngineConfig(**fields)
+    return EngineConfig(
+        sizes=Sizes(max_seats=resident_seats if all_resident else args.conversations,
+                    max_model_len=max_model_len(args), block_size=args.block_size,
+                    hot_size=args.hot_size, num_gpu_blocks=None if all_resident else budget),
+        prefill=PrefillPolicy(
+            chunk_size=args.prefill_chunk_size, bucket=args.prefill_chunk_size,
+            max_tokens_per_step=args.max_prefill_tokens_per_step,
+            prefix_caching=mode.endswith("-reuse"),
+            prefix_hit_pages=args.prefix_hit_pages if mode == "hisparse-reuse" else "restore"),
+        residency=AllResident() if all_resident else HiSparse(), seed=0)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -165,7 +163,7 @@ def run_mode(model: nn.Transformer, args: argparse.Namespace, mode: str) -> dict
         total = time.perf_counter() - t_mode
         s = engine.summary()
         generated = sum(t["generated_tokens"] for t in turns)
-        return {"mode": mode, "seats": engine.config.max_seats, "warmup_s": warmup,
+        return {"mode": mode, "seats": engine.config.sizes.max_seats, "warmup_s": warmup,
                 "wall_s": total, "generated_tokens": generated,
                 "generated_tokens_per_s": generated / total,
                 "prompt_tokens_submitted": sum(t["prompt_tokens_submitted"] for t in turns),
@@ -258,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES))
     p.add_argument("--prefix-hit-pages", choices=("restore", "stage"), default="restore",
                    help="hisparse-reuse: restore a hit's host pages whole before its prefill, "
-                        "or stage the rows its chunks select (EngineConfig.prefix_hit_pages)")
+                        "or stage the rows its chunks select "
+                        "(EngineConfig.prefill.prefix_hit_pages)")
     p.add_argument("--ttft-from-turn", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true")

@@ -325,7 +325,7 @@ def isolated_floors(engine: Any, pool: HostPool | None, cfg: nn.ModelConfig,
     from hisparse_jax.ops import sparse_mla_decode
 
     n, layers = len(engine.running), cfg.num_layers
-    cache_rows = engine.num_gpu_blocks * engine.config.block_size
+    cache_rows = engine.num_gpu_blocks * engine.config.sizes.block_size
     key = jax.random.key(0)
     kq, kk, kr = jax.random.split(key, 3)
     q = jax.random.normal(kq, (reps, n, cfg.num_heads, cfg.row_width), jnp.bfloat16)
@@ -510,13 +510,13 @@ def main(argv: list[str] | None = None) -> int:
             isolated = isolated_floors(engine, pool, cfg, rows, reps=args.floor_reps)
         result = {
             "benchmark": "profile_step", "mode": args.mode, "concurrency": args.concurrency,
-            "running": len(engine.running), "seats": engine.config.max_seats,
+            "running": len(engine.running), "seats": engine.config.sizes.max_seats,
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
                        "turnover": args.turnover, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling,
                        "position_map": not args.no_position_map,
                        "copy_programs": args.copy_programs,
-                       "copy_with_attention": engine.config.copy_with_attention, **sizes},
+                       "copy_with_attention": engine.config.tuning.copy_with_attention, **sizes},
             "ramp": ramp, "host": host,
             "traced_step_ms_mean": float(np.mean(traced)) * 1e3 if traced else None,
             "device": device, "isolated": isolated,

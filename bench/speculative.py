@@ -2,7 +2,7 @@
 
 The setting of `bench/e2e_decode.py` (default `dsv32-2l`, synthetic 64K-token prompts, the
 drift top-k model, one GPU KV budget for every run, HiSparse and all-resident alive together
-and measured in alternating blocks) with `EngineConfig.num_speculative_tokens` = k. The
+and measured in alternating blocks) with `EngineConfig.speculative.num_tokens` = k. The
 random-weight model has no trained MTP head (its drafts would almost never be accepted), so
 drafts come from `hisparse_jax.draft_sources.AcceptanceRateDraft`: each draft is accepted
 with the configured probability (the first rejection ends the run), which is what a trained
@@ -16,7 +16,7 @@ then every k in --k at every rate in --rates, then k = 0 again (the first engine
 also pays for first touches of the pinned pool and the allocator). The ratio reported per
 (mode, C, k, rate) is tokens/s over the mean of the two k = 0 runs of the same mode and C.
 The ablation (on unless --no-ablation): HiSparse with per-row resolution
-(`EngineConfig.union_resolution=False`: one resolve and copy pass per row index) at the
+(`EngineConfig.residency=HiSparse(per_row=True)`: one resolve and copy pass per row index) at the
 largest C, k and the middle rate, against the union run: hit rate, rows host -> device per
 step, tokens/s.
 
@@ -52,6 +52,7 @@ from bench.e2e_decode import (
 from hisparse_jax import models as nn
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
+from hisparse_jax.engine import Speculative
 from host_tier import HostPool
 
 
@@ -165,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             extra = {}
             if spec["k"]:
-                extra = {"num_speculative_tokens": spec["k"],
-                         "draft_source": AcceptanceRateDraft(spec["rate"]),
-                         "union_resolution": spec["union"]}
+                extra = {"speculative": Speculative(num_tokens=spec["k"],
+                                                    draft=AcceptanceRateDraft(spec["rate"])),
+                         "per_row": not spec["union"]}
             for r in run_group(model, args, sizes, modes=modes, concurrency=c,
                                turnover=args.turnover, pool=pool, counter=counter,
                                extra=extra):

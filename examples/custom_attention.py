@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax.cache import AllResident, CacheBatch
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import Engine, EngineConfig, HiSparse, PrefillPolicy, Sizes
 from hisparse_jax.models import DecodeBatch, DecodeCache, ModelSpec
 
 VOCAB, DIM, LAYERS, HEADS, KEY, VALUE, INDEX, TOP_K = 128, 32, 2, 2, 16, 16, 8, 8
@@ -141,7 +141,7 @@ class TinyLM(nnx.Module):
                       collect_attention=False):
         if host_pages is not None:
             raise ValueError("TinyLM.prefill_chunk cannot stage host-only pages (use "
-                             "EngineConfig.prefix_hit_pages='resident')")
+                             "EngineConfig.prefill.prefix_hit_pages='restore')")
         T = tokens.shape[0]
         pos = start + jnp.arange(T, dtype=jnp.int32)
         real = jnp.arange(T) < length
@@ -169,12 +169,15 @@ class TinyLM(nnx.Module):
 
 
 PROMPTS = [np.random.default_rng(i).integers(0, VOCAB, 20 + 4 * i).tolist() for i in range(5)]
-SERVING = dict(max_seats=3, max_model_len=64, block_size=4, prefill_bucket=16)
+SIZES = dict(max_seats=3, max_model_len=64, block_size=4)
 
 
-def serve(model, **mode):
-    """The greedy tokens of every request (in add order) and the engine's summary."""
-    engine = Engine(model, EngineConfig(**SERVING, **mode))
+def serve(model, residency=None, **sizes):
+    """The greedy tokens of every request (in add order) and the engine's summary;
+    `residency`: None for `HiSparse()`; `sizes`: the `Sizes` fields beside SIZES."""
+    engine = Engine(model, EngineConfig(sizes=Sizes(**SIZES, **sizes),
+                                        residency=residency or HiSparse(),
+                                        prefill=PrefillPolicy(bucket=16)))
     try:
         ids = [engine.add_request(p, max_new_tokens=20) for p in PROMPTS]
         done = engine.run()
@@ -185,7 +188,7 @@ def serve(model, **mode):
 
 def main() -> None:
     model = TinyLM(rngs=nnx.Rngs(0))
-    resident, _ = serve(model, all_resident=True)
+    resident, _ = serve(model, residency=AllResident())
     tokens, summary = serve(model, num_gpu_blocks=32)  # too small for the requests' pages
     print(f"HiSparse under pressure: {summary['spilled_pages']} pages spilled, "
           f"{summary['rows_moved_h2d']} rows read back from host; tokens identical to "

@@ -36,7 +36,16 @@ import numpy as np
 from hisparse_jax import models as nn
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    AllResident,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    Speculative,
+)
 from host_tier import CapacityError, Coordinator
 from host_tier.sizes import cdiv
 from host_tier.worker.host_pool import available_ram_bytes, check_available_ram
@@ -50,11 +59,11 @@ FIELD_FLAGS = {"num_host_blocks": "--host-blocks", "num_gpu_blocks": "--gpu-bloc
                "host pool": "--host-blocks", "device pool": "--gpu-blocks / --gpu-pool-fraction",
                "hot_size": "--hot-size", "block_size": "--block-size",
                "max_model_len": "--max-model-len", "max_seats": "--seats",
-               "prefill_bucket": "--prefill-bucket", "top_k": "--top-k", "seed": "--seed",
+               "prefill.bucket": "--prefill-bucket", "top_k": "--top-k", "seed": "--seed",
                "temperature": "--temperature", "max_new_tokens": "--gen-len",
-               "kv_format": "--kv-format", "num_speculative_tokens": "--speculative-tokens",
+               "kv_format": "--kv-format", "speculative.num_tokens": "--speculative-tokens",
                "acceptance_rate": "--acceptance-rate",
-               "prefill_chunk_size": "--prefill-chunk-size"}
+               "prefill.chunk_size": "--prefill-chunk-size"}
 
 
 class ProgressBar:
@@ -356,25 +365,26 @@ def check_pools(args: argparse.Namespace, cfg: nn.ModelConfig, ec: EngineConfig)
     block_bytes = hs.block_size * hs.row_bytes * cfg.num_layers      # one block, every layer
     need, (limit, where) = hs.num_gpu_blocks * block_bytes, device_memory()
     if need > limit:
-        sizes = ("--seats x --max-model-len" if ec.all_resident
-                 else "EngineConfig.num_gpu_blocks: the device pool")
+        sizes = ("--seats x --max-model-len" if isinstance(ec.residency, AllResident)
+                 else "EngineConfig.sizes.num_gpu_blocks: the device pool")
         raise ValueError(f"the device KV caches of {hs.num_gpu_blocks} blocks ({sizes}) x "
                          f"{cfg.num_layers} layers x {hs.block_size} rows of {hs.row_bytes} B "
                          f"need {need / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB "
                          f"{where}")
-    if ec.all_resident:
+    if isinstance(ec.residency, AllResident):
         return                            # every request fits its seat (max_model_len)
     try:
         check_available_ram(hs.num_host_blocks * block_bytes, what="num_host_blocks")
     except ValueError as e:
-        raise ValueError(f"the host pool of EngineConfig.num_host_blocks="
+        raise ValueError(f"the host pool of EngineConfig.sizes.num_host_blocks="
                          f"{hs.num_host_blocks}: {e}") from None
     try:
-        tier = Coordinator.from_config(hs, enable_prefix_caching=ec.enable_prefix_caching,
-                                       offload_all=ec.naive_offload)
+        tier = Coordinator.from_config(hs, enable_prefix_caching=ec.prefill.prefix_caching,
+                                       offload_all=isinstance(ec.residency, NaiveOffload))
     except ValueError as e:
-        raise ValueError(f"EngineConfig.num_gpu_blocks={hs.num_gpu_blocks} / num_host_blocks="
-                         f"{hs.num_host_blocks} refused by the host tier: {e}") from None
+        raise ValueError(f"EngineConfig.sizes.num_gpu_blocks={hs.num_gpu_blocks} / "
+                         f"num_host_blocks={hs.num_host_blocks} refused by the host tier: {e}"
+                         ) from None
     total = args.prompt_len + args.gen_len
     reason = tier.capacity_error(args.prompt_len, total - 1,
                                  num_lookahead_tokens=ec.num_speculative_tokens)
@@ -418,17 +428,17 @@ def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
         gpu_blocks = max(int(fraction * seats * ctx_pages), ctx_pages + hot_blocks + 3) + 1
     host_blocks = (args.host_blocks if args.host_blocks is not None
                    else 1 + (seats + 1) * pages)
-    kwargs = dict(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
-                  hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks,
-                  all_resident=all_resident, prefill_bucket=args.prefill_bucket,
-                  seed=args.seed, kv_format=args.kv_format, num_speculative_tokens=k,
-                  prefill_chunk_size=(None if reference and not args.check_chunked
-                                      else args.prefill_chunk_size),
-                  async_scheduling=args.async_scheduling and not reference)
-    if k and args.acceptance_rate is not None:
-        kwargs["draft_source"] = AcceptanceRateDraft(args.acceptance_rate)
-    kwargs.update(compile_cache_kwargs(args))
-    return EngineConfig(**kwargs)
+    draft = None if args.acceptance_rate is None else AcceptanceRateDraft(args.acceptance_rate)
+    return EngineConfig(
+        sizes=Sizes(max_seats=seats, max_model_len=args.max_model_len, block_size=B,
+                    hot_size=hot_size, num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks),
+        residency=AllResident() if all_resident else HiSparse(), seed=args.seed,
+        kv_format=args.kv_format,
+        prefill=PrefillPolicy(bucket=args.prefill_bucket,
+                              chunk_size=(None if reference and not args.check_chunked
+                                          else args.prefill_chunk_size)),
+        speculative=Speculative(num_tokens=k, draft=draft) if k else None,
+        async_scheduling=args.async_scheduling and not reference, **compile_cache_kwargs(args))
 
 
 def compile_cache_kwargs(args: argparse.Namespace) -> dict:
@@ -472,10 +482,12 @@ def run(args: argparse.Namespace, engine: Engine) -> Engine:
     ec, cfg = engine.config, engine.model_config
     mode = engine.mode
     print(f"[{mode}] {cfg.name} on {jax.default_backend()} ({jax.devices()[0].device_kind}): "
-          f"{args.requests} requests on {ec.max_seats} seats, prompts <= {args.prompt_len}, "
-          f"{args.gen_len} new tokens, top_k {cfg.top_k}, block {ec.block_size}, hot "
-          f"{ec.hot_size}, device pool {engine.num_gpu_blocks} blocks"
-          + ("" if ec.all_resident else f", host pool {ec.num_host_blocks} blocks")
+          f"{args.requests} requests on {ec.sizes.max_seats} seats, prompts <= "
+          f"{args.prompt_len}, {args.gen_len} new tokens, top_k {cfg.top_k}, block "
+          f"{ec.sizes.block_size}, hot {ec.sizes.hot_size}, device pool "
+          f"{engine.num_gpu_blocks} blocks"
+          + ("" if isinstance(ec.residency, AllResident)
+             else f", host pool {ec.sizes.num_host_blocks} blocks")
           + f", KV rows {ec.kv_format} ({engine.row_bytes} B)", flush=True)
     bar = ProgressBar(args.requests * args.gen_len, mode)
 

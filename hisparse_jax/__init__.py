@@ -2,7 +2,18 @@
 
 from hisparse_jax import models
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    AllResident,
+    Debug,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    Speculative,
+    Tuning,
+)
 from hisparse_jax.ops import (
     Resolution,
     gather_compact,
@@ -15,11 +26,19 @@ from hisparse_jax.ops import (
 from hisparse_jax.state import HotState, init_hot_state, reset_rows
 
 __all__ = [
+    "AllResident",
+    "Debug",
     "Engine",
     "EngineConfig",
+    "HiSparse",
     "HiSparseConfig",
     "HotState",
+    "NaiveOffload",
+    "PrefillPolicy",
     "Resolution",
+    "Sizes",
+    "Speculative",
+    "Tuning",
     "gather_compact",
     "init_hot_state",
     "invalidate_written_rows",

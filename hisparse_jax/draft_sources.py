@@ -1,6 +1,6 @@
-"""Where speculative draft tokens come from (`EngineConfig.draft_source`).
+"""Where speculative draft tokens come from (`EngineConfig.speculative.draft`).
 
-With `EngineConfig.num_speculative_tokens` = k > 0, every decode step of a request feeds its
+With `EngineConfig.speculative.num_tokens` = k > 0, every decode step of a request feeds its
 last token and up to k draft tokens (k + 1 query rows of one request, resolved together:
 `hisparse_jax.cache.HiSparse`), samples a token at every row and keeps the longest run of
 drafts that were right, plus the token sampled after it (`hisparse_jax.engine.runner`).
@@ -52,7 +52,7 @@ class DraftSource:
         return self
 
     def check_model(self, spec: Any) -> None:
-        """ValueError naming `EngineConfig.draft_source` when the model (its
+        """ValueError naming `EngineConfig.speculative.draft` when the model (its
         `hisparse_jax.models.ModelSpec`) cannot serve it."""
 
     def device_drafts(self, model: Any, hidden: jax.Array, tokens: jax.Array,
@@ -75,7 +75,7 @@ class MTPDraft(DraftSource):
     def check_model(self, spec: Any) -> None:
         if not spec.has_draft:
             raise ValueError(
-                f"EngineConfig.draft_source=MTPDraft() needs a model with an MTP module; "
+                f"EngineConfig.speculative.draft=MTPDraft() needs a model with an MTP module; "
                 f"{spec.name!r} has none (its spec has has_draft=False: build the synthetic "
                 "model with mtp_layers=1, or pick another draft source)")
 

@@ -19,11 +19,19 @@ import json
 import os
 import sys
 
-MODES = {"hisparse": {}, "pressured": {"num_gpu_blocks": 22},
-         "all_resident": {"all_resident": True}}
-CONFIG = dict(max_seats=4, max_model_len=64, block_size=4, prefill_bucket=64,
-              collect_attention=True, compilation_cache=False)
+MODES = {"hisparse": {}, "pressured": {"num_gpu_blocks": 22}, "all_resident": {}}
+SIZES = dict(max_seats=4, max_model_len=64, block_size=4)
 NUM_REQUESTS, GEN = 6, 12
+
+
+def engine_config(mode="all_resident", **sizes):
+    """The EngineConfig of `mode` (a key of MODES: its sizes, and all-resident or HiSparse),
+    `sizes` changed; imports the engine, so call it once the device flags are set."""
+    from hisparse_jax.engine import AllResident, Debug, EngineConfig, HiSparse, PrefillPolicy, Sizes
+    return EngineConfig(sizes=Sizes(**{**SIZES, **MODES[mode], **sizes}),
+                        prefill=PrefillPolicy(bucket=64), debug=Debug(collect_attention=True),
+                        compilation_cache=False,
+                        residency=AllResident() if mode == "all_resident" else HiSparse())
 
 
 def requests():
@@ -60,12 +68,12 @@ def figures(engine):
 def meshes(out_path, specs):
     os.environ["XLA_FLAGS"] = cpu_devices_flags(4)
     from hisparse_jax import models
-    from hisparse_jax.engine import Engine, EngineConfig
+    from hisparse_jax.engine import Engine
     from hisparse_jax.engine.mesh import MeshEngine
     from hisparse_jax.engine.metrics import CompileWatch
 
     built = {False: models.init_model("tiny", seed=0)}
-    refs = {False: run(Engine(built[False], EngineConfig(**CONFIG, all_resident=True)))}
+    refs = {False: run(Engine(built[False], engine_config()))}
     record = {"reference": {i: t for i, (t, _) in refs[False].items()}, "meshes": {}}
     for spec in specs:
         shape, mode, *flags = spec.split(":")
@@ -73,10 +81,9 @@ def meshes(out_path, specs):
         if grouped not in built:
             built[grouped] = models.init_model(models.get_config("tiny", index_group_size=2),
                                                seed=0)
-            refs[grouped] = run(Engine(built[grouped],
-                                       EngineConfig(**CONFIG, all_resident=True)))
+            refs[grouped] = run(Engine(built[grouped], engine_config()))
         model, ref = built[grouped], refs[grouped]
-        engine = MeshEngine(model, EngineConfig(**CONFIG, **MODES[mode]),
+        engine = MeshEngine(model, engine_config(mode),
                             mesh_shape=tuple(int(n) for n in shape.split("x")))
         warm = {}
         if "warmup" in flags:
@@ -195,7 +202,6 @@ def refusals(model):
     from flax import nnx
 
     from hisparse_jax import models
-    from hisparse_jax.engine import EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
 
     cases = {"seats": (model, dict(max_seats=6), (4, 1)),
@@ -206,7 +212,7 @@ def refusals(model):
     out = {}
     for name, (m, kw, shape) in cases.items():
         try:
-            MeshEngine(m, EngineConfig(**{**CONFIG, **kw}), mesh_shape=shape)
+            MeshEngine(m, engine_config("hisparse", **kw), mesh_shape=shape)
         except ValueError as e:
             out[name] = str(e)
     return out
@@ -221,11 +227,10 @@ def process(out_path, spec, port, process_id):
     import jax
 
     from hisparse_jax import models
-    from hisparse_jax.engine import EngineConfig
     from hisparse_jax.engine.mesh import MeshEngine
 
     shape, mode = spec.split(":")
-    engine = MeshEngine(models.init_model("tiny", seed=0), EngineConfig(**CONFIG, **MODES[mode]),
+    engine = MeshEngine(models.init_model("tiny", seed=0), engine_config(mode),
                         mesh_shape=tuple(int(n) for n in shape.split("x")))
     got = run(engine)
     record = {"process": jax.process_index(), "devices": len(jax.devices()),

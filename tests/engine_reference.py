@@ -3,7 +3,7 @@ idle engine that holds nothing."""
 
 from __future__ import annotations
 
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import AllResident, Engine, EngineConfig
 from host_tier import Coordinator
 
 
@@ -13,7 +13,7 @@ class AllResidentReference:
     keys are per request, so sampled tokens compare too). One engine; each request once."""
 
     def __init__(self, model, **sizes):
-        self.engine = Engine(model, EngineConfig(all_resident=True, **sizes))
+        self.engine = Engine(model, EngineConfig(residency=AllResident(), **sizes))
         self._cache: dict = {}
 
     def __call__(self, req):

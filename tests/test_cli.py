@@ -260,18 +260,18 @@ def _config(argv, all_resident=False) -> EngineConfig:
 
 def test_omitted_flags_mean_their_defaults():
     default = _config([])
-    assert default.hot_size == 2 * models.CONFIGS["tiny"].top_k          # rounded up to B = 4
+    assert default.sizes.hot_size == 2 * models.CONFIGS["tiny"].top_k    # rounded up to B = 4
     assert default == _config(["--gpu-pool-fraction", str(decode.DEFAULT_GPU_POOL_FRACTION)])
-    assert _config(["--top-k", "6"]).hot_size == 12
-    assert _config(["--top-k", "6", "--block-size", "8"]).hot_size == 16
-    assert _config(["--hot-size", "20"]).hot_size == 20
-    assert _config(["--gpu-blocks", "77"]).num_gpu_blocks == 77
-    assert _config(["--host-blocks", "99"]).num_host_blocks == 99
+    assert _config(["--top-k", "6"]).sizes.hot_size == 12
+    assert _config(["--top-k", "6", "--block-size", "8"]).sizes.hot_size == 16
+    assert _config(["--hot-size", "20"]).sizes.hot_size == 20
+    assert _config(["--gpu-blocks", "77"]).sizes.num_gpu_blocks == 77
+    assert _config(["--host-blocks", "99"]).sizes.num_host_blocks == 99
     assert default.kv_format == "bf16"
     assert _config(["--config", "tiny576", "--kv-format", "fp8_ds_mla"]).kv_format == "fp8_ds_mla"
     # a smaller fraction gives a smaller pool (down to what a lone request needs)
-    assert (_config(["--gpu-pool-fraction", "1"]).num_gpu_blocks
-            > _config(["--gpu-pool-fraction", "0.4"]).num_gpu_blocks)
+    assert (_config(["--gpu-pool-fraction", "1"]).sizes.num_gpu_blocks
+            > _config(["--gpu-pool-fraction", "0.4"]).sizes.num_gpu_blocks)
 
 
 def test_index_group_size_reaches_the_model_config():
@@ -284,31 +284,31 @@ def test_speculation_flags_reach_the_model_and_engine_configs():
     args = decode.build_parser().parse_args(["--speculative-tokens", "2"])
     assert decode.model_config(args).mtp_layers == 1  # MTP drafts: the model gets the module
     ec = _config(["--speculative-tokens", "2"])
-    assert ec.num_speculative_tokens == 2 and ec.draft_source is None
-    assert ec.hot_size == 2 * 3 * models.CONFIGS["tiny"].top_k
+    assert ec.num_speculative_tokens == 2 and ec.speculative.draft is None
+    assert ec.sizes.hot_size == 2 * 3 * models.CONFIGS["tiny"].top_k
     args = decode.build_parser().parse_args(["--speculative-tokens", "1",
                                              "--acceptance-rate", "0.7"])
     assert decode.model_config(args).mtp_layers == 0
     assert _config(["--speculative-tokens", "1", "--acceptance-rate", "0.7"]
-                   ).draft_source.acceptance_rate == 0.7
+                   ).speculative.draft.acceptance_rate == 0.7
     # --check's baseline speculates alike (same drafts, same batch rows: same arithmetic)
     assert decode.engine_config(args, decode.model_config(args), all_resident=True
                                 ).num_speculative_tokens == 1
 
 
 def test_prefill_chunk_size_reaches_the_served_engine_only():
-    assert _config([]).prefill_chunk_size is None
+    assert _config([]).prefill.chunk_size is None
     argv = ["--prefill-chunk-size", "12"]
-    assert _config(argv).prefill_chunk_size == 12
-    assert _config(argv, all_resident=True).prefill_chunk_size == 12
+    assert _config(argv).prefill.chunk_size == 12
+    assert _config(argv, all_resident=True).prefill.chunk_size == 12
     args = decode.build_parser().parse_args(argv)
     # --check's all-resident reference prefills in one shot
     assert decode.engine_config(args, decode.model_config(args), all_resident=True,
-                                reference=True).prefill_chunk_size is None
+                                reference=True).prefill.chunk_size is None
     # ... unless --check-chunked asks for the same chunks (which needs --check)
     args = decode.build_parser().parse_args([*argv, "--check", "--check-chunked"])
     assert decode.engine_config(args, decode.model_config(args), all_resident=True,
-                                reference=True).prefill_chunk_size == 12
+                                reference=True).prefill.chunk_size == 12
 
 
 def test_chunked_prefill_example_check_passes(capsys):

@@ -16,7 +16,17 @@ import pytest
 
 from hisparse_jax import cache as cache_module
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    AllResident,
+    Debug,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    Tuning,
+)
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK, record
 from pallas_kernels._compat import jit_cache_size
 from tests.engine_runs import run_prompts
@@ -31,23 +41,28 @@ def tiny_model():
     return models.init_model("tiny", seed=0)
 
 
-def _run(**overrides):
-    kw = dict(max_seats=4, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
-              collect_attention=True, max_traces=1)
-    kw.update(overrides)
-    return run_prompts(tiny_model(), PROMPTS, max_new_tokens=GEN, **kw)
+def _run(*, sizes=(), prefill=(), debug=(), tuning=(), **config):
+    """The prompts on a fresh engine: 4 seats of MAX_LEN tokens, pages of 4, prompts padded
+    to MAX_LEN, attention kept, one trace per jitted step. `sizes` / `prefill` / `debug` /
+    `tuning`: the fields of those groups that change; `config`: other EngineConfig fields."""
+    return run_prompts(
+        tiny_model(), PROMPTS, max_new_tokens=GEN,
+        sizes=Sizes(**{**dict(max_seats=4, max_model_len=MAX_LEN, block_size=4), **dict(sizes)}),
+        prefill=PrefillPolicy(**{"bucket": MAX_LEN, **dict(prefill)}),
+        debug=Debug(**{"collect_attention": True, "max_traces": 1, **dict(debug)}),
+        tuning=Tuning(**dict(tuning)), **config)
 
 
 @pytest.fixture(scope="module")
 def all_resident():
-    engine, out = _run(all_resident=True)
+    engine, out = _run(residency=AllResident())
     yield engine, out
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def pressured():
-    engine, out = _run(num_gpu_blocks=44)
+    engine, out = _run(sizes=dict(num_gpu_blocks=44))
     yield engine, out
     engine.close()
 
@@ -79,12 +94,14 @@ def _grouped_runs():
     with the host pool packed (the group's layers side by side in one array) and not."""
     model = models.init_model(models.get_config("tiny", index_group_size=2), seed=0)
     out = {}
-    for name, kw in (("all_resident", dict(all_resident=True)),
-                     ("packed", dict(num_gpu_blocks=44)),
-                     ("per_layer", dict(num_gpu_blocks=44, pack_host_layers=False))):
-        engine, done = run_prompts(model, PROMPTS[:4], max_new_tokens=GEN, max_seats=4,
-                                   max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
-                                   **kw)
+    for name, gpu_blocks, residency, pack in (("all_resident", None, AllResident(), True),
+                                              ("packed", 44, HiSparse(), True),
+                                              ("per_layer", 44, HiSparse(), False)):
+        engine, done = run_prompts(model, PROMPTS[:4], max_new_tokens=GEN,
+                                   sizes=Sizes(max_seats=4, max_model_len=MAX_LEN, block_size=4,
+                                               num_gpu_blocks=gpu_blocks),
+                                   prefill=PrefillPolicy(bucket=MAX_LEN), residency=residency,
+                                   tuning=Tuning(pack_host_layers=pack))
         arrays = None if engine.host_pool is None else len(engine.host_pool.arrays)
         out[name] = (engine.summary(), arrays, [r.generated for r in done])
         engine.close()
@@ -122,17 +139,18 @@ def test_decode_step_compiles_once(all_resident, pressured):
 
 def _run_external(source, **overrides):
     """The prompts with synthetic prefill and an external top-k source."""
-    return _run(topk_source=source, synthetic_prefill=True, collect_attention=False,
-                **overrides)
+    return _run(topk_source=source, prefill=dict(synthetic=True),
+                debug=dict(collect_attention=False), **overrides)
 
 
 def test_external_topk_modes_decode_the_same_tokens():
     # Synthetic KV rows and a drift model at 25% turnover: all-resident, HiSparse under
     # pressure and naive offload read the same rows, so greedy decoding agrees token for token.
     drift = DriftTopK(turnover=0.25, seed=2)
-    base_engine, base = _run_external(drift, all_resident=True)
-    hs_engine, hs = _run_external(drift, num_gpu_blocks=44)
-    nv_engine, nv = _run_external(drift, num_gpu_blocks=44, naive_offload=True)
+    base_engine, base = _run_external(drift, residency=AllResident())
+    hs_engine, hs = _run_external(drift, sizes=dict(num_gpu_blocks=44))
+    nv_engine, nv = _run_external(drift, sizes=dict(num_gpu_blocks=44),
+                                  residency=NaiveOffload())
     for a, b, c in zip(base, hs, nv, strict=True):
         assert a.generated == b.generated == c.generated, a.request_id
     s, n = hs_engine.summary(), nv_engine.summary()
@@ -149,19 +167,21 @@ def test_external_topk_modes_decode_the_same_tokens():
     # The drift model recorded as a trace and replayed: the same tokens again.
     trace = record(drift, contexts=[len(p) for p in PROMPTS], steps=GEN, num_groups=2,
                    top_k=16)
-    tr_engine, tr = _run_external(TraceTopK(trace), num_gpu_blocks=44)
+    tr_engine, tr = _run_external(TraceTopK(trace), sizes=dict(num_gpu_blocks=44))
     assert [r.generated for r in tr] == [r.generated for r in base]
     tr_engine.close()
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(naive_offload=True)], ids=["hisparse", "naive"])
+@pytest.mark.parametrize("mode", [dict(), dict(residency=NaiveOffload())],
+                         ids=["hisparse", "naive"])
 def test_copies_by_looping_programs_decode_what_the_full_grid_decodes(mode):
     # `copy_programs` moves each lookup's copies (in model order) by 2 looping programs: the
     # tokens are those of the kernel's full grid. (The rows moved are not compared: they
     # depend on when the transfer worker's spills complete.)
     drift = DriftTopK(turnover=0.25, seed=3)
-    runs = [_run_external(drift, num_gpu_blocks=44, ops_backend="triton",
-                          copy_programs=programs, copy_with_attention=False, **mode)
+    runs = [_run_external(drift, sizes=dict(num_gpu_blocks=44),
+                          tuning=dict(ops="triton", copy_programs=programs,
+                                      copy_with_attention=False), **mode)
             for programs in (None, 2)]
     (_, want), (few, got_few) = runs
     assert [r.generated for r in got_few] == [r.generated for r in want]
@@ -171,7 +191,8 @@ def test_copies_by_looping_programs_decode_what_the_full_grid_decodes(mode):
         engine.close()
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(naive_offload=True)], ids=["hisparse", "naive"])
+@pytest.mark.parametrize("mode", [dict(), dict(residency=NaiveOffload())],
+                         ids=["hisparse", "naive"])
 def test_copies_beside_an_attention_decode_what_lookups_in_model_order_decode(mode,
                                                                              monkeypatch):
     # `copy_with_attention` looks group 1 up ahead and runs its copies in the launch of
@@ -186,8 +207,10 @@ def test_copies_beside_an_attention_decode_what_lookups_in_model_order_decode(mo
     joint = cache_module.sparse_mla_decode_with_copies
     monkeypatch.setattr(cache_module, "sparse_mla_decode_with_copies", spy)
     drift = DriftTopK(turnover=0.25, seed=3)
-    kw = dict(num_gpu_blocks=44, ops_backend="triton", attention_backend="triton", **mode)
-    runs = [_run_external(drift, copy_with_attention=beside, copy_programs=programs, **kw)
+    runs = [_run_external(drift, sizes=dict(num_gpu_blocks=44),
+                          tuning=dict(ops="triton", attention="triton",
+                                      copy_with_attention=beside, copy_programs=programs),
+                          **mode)
             for beside, programs in ((False, None), (True, 2), (True, None))]
     (_, want), (two, got_two), (beside, got) = runs
     for other in (got_two, got):
@@ -203,17 +226,20 @@ def test_synthetic_prefill_with_the_models_indexer():
     # Without a top-k source, synthetic prefill writes unit-normal index keys for the prompt
     # rows (the padding rows stay zero) and the model's own indexer selects from them; the
     # host tier under pressure decodes what all-resident decodes.
-    base_engine, base = _run(synthetic_prefill=True, collect_attention=False,
-                             all_resident=True)
-    hs_engine, hs = _run(synthetic_prefill=True, collect_attention=False, num_gpu_blocks=44)
+    base_engine, base = _run(prefill=dict(synthetic=True), debug=dict(collect_attention=False),
+                             residency=AllResident())
+    hs_engine, hs = _run(prefill=dict(synthetic=True), debug=dict(collect_attention=False),
+                         sizes=dict(num_gpu_blocks=44))
     for a, b in zip(base, hs, strict=True):
         assert a.generated == b.generated, a.request_id
     s = hs_engine.summary()
     assert s["lost_pages"] > 0 and hs_engine.metrics.hot_misses > 0, s
     # A fresh engine, one request, before any decode step: its prompt rows carry keys.
-    engine = Engine(tiny_model(), EngineConfig(max_seats=2, max_model_len=MAX_LEN, block_size=4,
-                                               prefill_bucket=MAX_LEN, synthetic_prefill=True,
-                                               all_resident=True))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=2, max_model_len=MAX_LEN,
+                                                           block_size=4),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN,
+                                                                     synthetic=True),
+                                               residency=AllResident()))
     engine.add_request(PROMPTS[1], max_new_tokens=1)
     engine.step()
     (req,) = engine.finished.values()
@@ -228,18 +254,20 @@ def test_synthetic_prefill_with_the_models_indexer():
 
 
 def test_engine_config_validation():
-    with pytest.raises(ValueError, match="exclude each other"):
-        Engine(tiny_model(), EngineConfig(all_resident=True, naive_offload=True))
+    with pytest.raises(ValueError, match="EngineConfig.residency must be HiSparse"):
+        Engine(tiny_model(), EngineConfig(residency="all_resident"))
     with pytest.raises(ValueError, match="TopKSource"):
         Engine(tiny_model(), EngineConfig(topk_source=object()))
     for bad in (0, -1, 1.0, True, "1"):
-        with pytest.raises(ValueError, match="EngineConfig.copy_programs must be a positive"):
-            EngineConfig(copy_programs=bad)
+        with pytest.raises(ValueError, match="EngineConfig.tuning.copy_programs must be a "
+                                             "positive"):
+            EngineConfig(tuning=Tuning(copy_programs=bad))
     for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match="EngineConfig.copy_with_attention must be a bool"):
-            EngineConfig(copy_with_attention=bad)
+        with pytest.raises(ValueError, match="EngineConfig.tuning.copy_with_attention must be "
+                                             "a bool"):
+            EngineConfig(tuning=Tuning(copy_with_attention=bad))
     # The default: copies beside an attention.
-    assert EngineConfig().copy_with_attention is True
+    assert EngineConfig().tuning.copy_with_attention is True
 
 
 def test_fast_path_stop_tokens_and_temperature(all_resident):
@@ -248,8 +276,10 @@ def test_fast_path_stop_tokens_and_temperature(all_resident):
     # checks the per-request stop conditions and temperature sampling.
     base = all_resident[1]
     chex.clear_trace_counter()
-    engine = Engine(tiny_model(), EngineConfig(max_seats=4, max_model_len=MAX_LEN, block_size=4,
-                                               prefill_bucket=MAX_LEN, max_traces=1, seed=1))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=4, max_model_len=MAX_LEN,
+                                                           block_size=4),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN),
+                                               debug=Debug(max_traces=1), seed=1))
     stop = base[0].generated[3]
     first = base[0].generated.index(stop)
     r_stop = engine.add_request(PROMPTS[0], max_new_tokens=GEN, stop_token_ids=[stop])
@@ -274,8 +304,8 @@ def test_fast_path_stop_tokens_and_temperature(all_resident):
 
 
 def test_add_request_validation():
-    engine = Engine(tiny_model(), EngineConfig(max_seats=2, max_model_len=32, block_size=4,
-                                               all_resident=True))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=2, max_model_len=32,
+                                                           block_size=4), residency=AllResident()))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -319,9 +349,11 @@ def _gpu_scale_matches_all_resident(kv_format):
                for i in range(8)]
     results = []
     for all_res in (True, False):
-        ec = EngineConfig(max_seats=8, max_model_len=4096, block_size=64, prefill_bucket=4096,
-                          hot_size=2048, num_gpu_blocks=None if all_res else 400,
-                          all_resident=all_res, collect_attention=True, kv_format=kv_format)
+        ec = EngineConfig(sizes=Sizes(max_seats=8, max_model_len=4096, block_size=64,
+                                      hot_size=2048, num_gpu_blocks=None if all_res else 400),
+                          prefill=PrefillPolicy(bucket=4096),
+                          residency=AllResident() if all_res else HiSparse(),
+                          debug=Debug(collect_attention=True), kv_format=kv_format)
         engine = Engine(model, ec)
         ids = [engine.add_request(p, max_new_tokens=24) for p in prompts]
         out = engine.run()

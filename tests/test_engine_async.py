@@ -20,18 +20,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    AllResident,
+    Debug,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    PrefillPolicy,
+    Sizes,
+    Speculative,
+)
 from hisparse_jax.engine.mesh import MeshEngine
 from host_tier import Coordinator
 from tests.engine_reference import assert_idle
 
 MAX_LEN = 48
-SIZES = dict(max_seats=3, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN)
 # 27 usable device blocks: three 12-page requests need 36 plus hot regions of 8.
-KINDS = {
-    "hisparse": dict(num_gpu_blocks=28),
-    "all-resident": dict(all_resident=True),
-    "chunked": dict(num_gpu_blocks=28, prefill_chunk_size=8, prefill_bucket=8),
+KINDS = {  # the residency, and the sizes and prefill fields that change
+    "hisparse": dict(sizes=dict(num_gpu_blocks=28)),
+    "all-resident": dict(residency=AllResident()),
+    "chunked": dict(sizes=dict(num_gpu_blocks=28), prefill=dict(chunk_size=8, bucket=8)),
 }
 
 
@@ -43,8 +51,11 @@ def tiny_model():
 @functools.cache
 def engine_of(kind: str, async_scheduling: bool) -> Engine:
     """One engine per (kind, async) for the module (each test leaves it idle)."""
-    sizes = {**SIZES, **KINDS[kind]}
-    return Engine(tiny_model(), EngineConfig(**sizes, async_scheduling=async_scheduling))
+    kind = KINDS[kind]
+    return Engine(tiny_model(), EngineConfig(
+        sizes=Sizes(max_seats=3, max_model_len=MAX_LEN, block_size=4, **kind.get("sizes", {})),
+        prefill=PrefillPolicy(**{"bucket": MAX_LEN, **kind.get("prefill", {})}),
+        residency=kind.get("residency", HiSparse()), async_scheduling=async_scheduling))
 
 
 _ids = itertools.count()
@@ -281,7 +292,10 @@ def test_async_token_history_gets_the_real_ids():
 def test_async_run_and_close_drain_the_step_in_flight():
     """`run(max_steps=...)` and `close` collect the step in flight; `warmup` compiles the
     async decode step (fed by device tokens or not, one trace), so no served step compiles."""
-    engine = Engine(tiny_model(), EngineConfig(**SIZES, all_resident=True, max_traces=1,
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=4),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN),
+                                               residency=AllResident(), debug=Debug(max_traces=1),
                                                async_scheduling=True))
     engine.warmup()
     engine.add_request(_prompt(7, 5), max_new_tokens=6, request_id="a")
@@ -296,16 +310,20 @@ def test_async_run_and_close_drain_the_step_in_flight():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(async_scheduling=1), "EngineConfig.async_scheduling must be a bool"),
-    (dict(async_scheduling=True, num_speculative_tokens=2),
-     "EngineConfig.async_scheduling needs num_speculative_tokens=0"),
+    (lambda: dict(async_scheduling=1),
+     "EngineConfig.async_scheduling must be a bool"),
+    (lambda: dict(async_scheduling=True, speculative=Speculative(num_tokens=2)),
+     "EngineConfig.async_scheduling needs EngineConfig.speculative=None"),
 ])
 def test_async_config_refusals(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        EngineConfig(**kwargs())
 
 
 def test_mesh_engine_refuses_async_scheduling():
     with pytest.raises(ValueError, match="MeshEngine: EngineConfig.async_scheduling must be "
                                          "False"):
-        MeshEngine(tiny_model(), EngineConfig(**SIZES, async_scheduling=True))
+        MeshEngine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                          block_size=4),
+                                              prefill=PrefillPolicy(bucket=MAX_LEN),
+                                              async_scheduling=True))

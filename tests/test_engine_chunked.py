@@ -1,4 +1,4 @@
-"""Chunked prefill (`EngineConfig.prefill_chunk_size`): exact against the one-shot prefill.
+"""Chunked prefill (`EngineConfig.prefill.chunk_size`): exact against the one-shot prefill.
 
   * the model: `Transformer.prefill_chunk` over every chunk of a prompt reads what the
     one-shot `prefill` reads (same last-token logits and attention, same rows and index keys
@@ -29,7 +29,15 @@ from hypothesis import strategies as st
 from hisparse_jax import models
 from hisparse_jax.cache import AllResident, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    Debug,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+)
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.topk_sources import DriftTopK
 from host_tier import Coordinator
@@ -179,8 +187,9 @@ def test_a_request_admitted_in_chunks_keeps_its_pages_until_its_last_chunk(n, ch
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens of an all-resident engine prefilling each prompt in one shot."""
-    engine, out = run_prompts(tiny_model(), PROMPTS, max_new_tokens=GEN, all_resident=True,
-                              prefill_bucket=MAX_LEN, **SIZES)
+    engine, out = run_prompts(tiny_model(), PROMPTS, max_new_tokens=GEN,
+                              residency=AllResident(), prefill=PrefillPolicy(bucket=MAX_LEN),
+                              sizes=Sizes(**SIZES))
     engine.close()
     return [r.generated for r in out]
 
@@ -191,20 +200,21 @@ def _interleaving(engine, seen):
     seen.append(states == {True, False})
 
 
-@pytest.mark.parametrize("mode, chunking", [
-    (dict(all_resident=True), dict(prefill_chunk_size=8)),
-    (dict(all_resident=True), dict(prefill_chunk_size=5, max_prefill_tokens_per_step=7)),
-    (PRESSURE, dict(prefill_chunk_size=5, max_prefill_tokens_per_step=12)),
-    (PRESSURE, dict(prefill_chunk_size=16)),
-    (dict(naive_offload=True), dict(prefill_chunk_size=7)),
+@pytest.mark.parametrize("residency, sizes, chunking", [
+    (AllResident(), {}, dict(chunk_size=8)),
+    (AllResident(), {}, dict(chunk_size=5, max_tokens_per_step=7)),
+    (HiSparse(), PRESSURE, dict(chunk_size=5, max_tokens_per_step=12)),
+    (HiSparse(), PRESSURE, dict(chunk_size=16)),
+    (NaiveOffload(), {}, dict(chunk_size=7)),
 ], ids=["all-resident-8", "all-resident-5-budget-7", "hisparse-5-budget-12", "hisparse-16",
         "naive-offload-7"])
-def test_chunked_prefill_decodes_what_one_shot_all_resident_decodes(reference, mode, chunking):
+def test_chunked_prefill_decodes_what_one_shot_all_resident_decodes(reference, residency, sizes,
+                                                                   chunking):
     # Chunks pad to prefill_bucket = the chunk size: one chunk prefill compile in all.
     chex.clear_trace_counter()
     engine = Engine(tiny_model(), EngineConfig(
-        prefill_bucket=chunking["prefill_chunk_size"], max_traces=1, **SIZES, **mode,
-        **chunking))
+        sizes=Sizes(**SIZES, **sizes), residency=residency, debug=Debug(max_traces=1),
+        prefill=PrefillPolicy(bucket=chunking["chunk_size"], **chunking)))
     try:
         ids = [engine.add_request(p, max_new_tokens=GEN) for p in PROMPTS]
         seen = []
@@ -220,7 +230,7 @@ def test_chunked_prefill_decodes_what_one_shot_all_resident_decodes(reference, m
             assert m.prefills == len(PROMPTS) and m.prompt_tokens == sum(map(len, PROMPTS))
         assert set(engine.trace_counts) >= {"prefill_chunk"}
         assert "prefill" not in engine.trace_counts
-        if mode is PRESSURE:
+        if sizes is PRESSURE:
             s = engine.summary()
             assert s["spilled_pages"] > 0 and s["unpinned_pages"] > 0, s
             assert s["lost_pages"] > 0 and s["hot_grants"] > 0, s
@@ -233,8 +243,8 @@ def test_chunked_prefill_decodes_what_one_shot_all_resident_decodes(reference, m
 @pytest.fixture(scope="module")
 def chunked():
     """A chunked HiSparse engine under pressure, shared by the failure tests."""
-    engine = Engine(tiny_model(), EngineConfig(prefill_bucket=4, prefill_chunk_size=5,
-                                               **SIZES, **PRESSURE))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(bucket=4, chunk_size=5),
+                                               sizes=Sizes(**SIZES, **PRESSURE)))
     yield engine
     engine.close()
 
@@ -322,19 +332,23 @@ def test_a_chunk_that_loses_the_device_arrays_fails_only_its_request(chunked, re
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(prefill_chunk_size=0), "EngineConfig.prefill_chunk_size must be a positive int"),
-    (dict(prefill_chunk_size=2.5), "EngineConfig.prefill_chunk_size must be a positive int"),
-    (dict(prefill_chunk_size=4, max_prefill_tokens_per_step=0),
-     "EngineConfig.max_prefill_tokens_per_step must be a positive int"),
-    (dict(max_prefill_tokens_per_step=8), "max_prefill_tokens_per_step needs prefill_chunk"),
-    (dict(prefill_chunk_size=4, topk_source=DriftTopK()),
-     "EngineConfig.prefill_chunk_size needs the indexer"),
+    (lambda: dict(prefill=PrefillPolicy(chunk_size=0)),
+     "EngineConfig.prefill.chunk_size must be a positive int"),
+    (lambda: dict(prefill=PrefillPolicy(chunk_size=2.5)),
+     "EngineConfig.prefill.chunk_size must be a positive int"),
+    (lambda: dict(prefill=PrefillPolicy(chunk_size=4, max_tokens_per_step=0)),
+     "EngineConfig.prefill.max_tokens_per_step must be a positive int"),
+    (lambda: dict(prefill=PrefillPolicy(max_tokens_per_step=8)),
+     "EngineConfig.prefill.max_tokens_per_step needs EngineConfig.prefill.chunk"),
+    (lambda: dict(prefill=PrefillPolicy(chunk_size=4), topk_source=DriftTopK()),
+     "EngineConfig.prefill.chunk_size needs the indexer"),
 ])
 def test_chunk_config_is_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        EngineConfig(**kwargs())
 
 
 def test_the_mesh_engine_refuses_chunked_prefill():
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.prefill_chunk_size"):
-        MeshEngine(tiny_model(), EngineConfig(prefill_chunk_size=4, **SIZES))
+    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.prefill.chunk_size"):
+        MeshEngine(tiny_model(), EngineConfig(prefill=PrefillPolicy(chunk_size=4),
+                                              sizes=Sizes(**SIZES)))

@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig, compile_cache
+from hisparse_jax.engine import (
+    AllResident,
+    Engine,
+    EngineConfig,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    compile_cache,
+)
 from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.runner import variant_name
 from hisparse_jax.state import invalidation_width
@@ -69,8 +77,8 @@ def test_warmup_compiles_every_bucket_a_run_reaches():
     # prompts up to 265 tokens of 4-row pages (spills of 64..512 rows, invalidations of 64
     # and 128 host blocks), two prefill lengths (136, 272), a pool under pressure (both
     # decode variants).
-    ec = EngineConfig(max_seats=9, max_model_len=272, block_size=4, prefill_bucket=136,
-                      num_gpu_blocks=140)
+    ec = EngineConfig(sizes=Sizes(max_seats=9, max_model_len=272, block_size=4, num_gpu_blocks=140),
+                      prefill=PrefillPolicy(bucket=136))
     engine = Engine(tiny_model(), ec)
     CompileWatch.start()
     before = CompileWatch.count
@@ -105,13 +113,16 @@ def test_warmup_of_the_other_modes_changes_nothing_a_request_sees():
     from hisparse_jax.topk_sources import DriftTopK
 
     prompts = [np.random.default_rng(i).integers(0, 512, 10 + 9 * i).tolist() for i in range(4)]
-    for kw in (dict(all_resident=True),
-               dict(topk_source=DriftTopK(turnover=0.25), synthetic_prefill=True,
-                    num_gpu_blocks=30, naive_offload=True)):
+    sizes = Sizes(max_seats=2, max_model_len=48, block_size=4)
+    for kw in (dict(residency=AllResident()),
+               dict(topk_source=DriftTopK(turnover=0.25), residency=NaiveOffload(),
+                    prefill=PrefillPolicy(bucket=16, synthetic=True),
+                    sizes=Sizes(max_seats=2, max_model_len=48, block_size=4,
+                                num_gpu_blocks=30))):
         outs = []
         for warm in (False, True):
-            engine = Engine(tiny_model(), EngineConfig(max_seats=2, max_model_len=48,
-                                                       block_size=4, prefill_bucket=16, **kw))
+            engine = Engine(tiny_model(), EngineConfig(
+                **{"sizes": sizes, "prefill": PrefillPolicy(bucket=16), **kw}))
             if warm:
                 engine.warmup()
             CompileWatch.start()
@@ -126,8 +137,8 @@ def test_warmup_of_the_other_modes_changes_nothing_a_request_sees():
 
 
 def test_warmup_refuses_a_running_engine():
-    engine = Engine(tiny_model(), EngineConfig(max_seats=2, max_model_len=32, block_size=4,
-                                               all_resident=True))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=2, max_model_len=32,
+                                                           block_size=4), residency=AllResident()))
     engine.add_request([1, 2, 3], max_new_tokens=4)
     engine.step()
     with pytest.raises(RuntimeError, match="1 requests are running"):
@@ -171,7 +182,7 @@ def test_compile_cache_directory_rules(tmp_path, monkeypatch, restore_cache_conf
 
 def test_engine_enables_the_cache_unless_told_not_to(tmp_path, monkeypatch,
                                                      restore_cache_config):
-    kw = dict(max_seats=1, max_model_len=16, block_size=4, all_resident=True)
+    kw = dict(sizes=Sizes(max_seats=1, max_model_len=16, block_size=4), residency=AllResident())
     monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path))
     assert Engine(tiny_model(), EngineConfig(**kw)).compilation_cache_dir == str(tmp_path)
     compile_cache.disable()
@@ -185,12 +196,13 @@ def test_engine_enables_the_cache_unless_told_not_to(tmp_path, monkeypatch,
 _FIRST_ENGINE = """
 import json
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import Engine, EngineConfig, PrefillPolicy, Sizes, Tuning
 from hisparse_jax.topk_sources import DriftTopK
 
 engine = Engine(models.init_model("tiny", seed=0), EngineConfig(
-    max_seats=4, max_model_len=96, block_size=4, prefill_bucket=96, num_gpu_blocks=44,
-    ops_backend="triton", topk_source=DriftTopK(seed=1), synthetic_prefill=True))
+    sizes=Sizes(max_seats=4, max_model_len=96, block_size=4, num_gpu_blocks=44),
+    prefill=PrefillPolicy(bucket=96, synthetic=True), tuning=Tuning(ops="triton"),
+    topk_source=DriftTopK(seed=1)))
 for n in (40, 45, 50, 55):
     engine.add_request(list(range(1, n)), max_new_tokens=28)
 done = engine.run()

@@ -20,7 +20,7 @@ import pytest
 from hisparse_jax import models
 from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import Debug, Engine, EngineConfig, NaiveOffload, PrefillPolicy, Sizes
 from host_tier import HostPool
 from pallas_kernels import kv_format as kvf
 from tests.engine_runs import run_prompts
@@ -36,16 +36,21 @@ def model():
     return models.init_model("tiny576", seed=0)
 
 
-def _run(**overrides):
-    kw = dict(max_seats=4, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
-              collect_attention=True, max_traces=1, kv_format=FP8)
-    return run_prompts(model(), PROMPTS, max_new_tokens=GEN, **{**kw, **overrides})
+def _run(*, sizes=(), **config):
+    """The prompts on a fresh fp8_ds_mla engine: 4 seats of MAX_LEN tokens, pages of 4;
+    `sizes`: the Sizes fields that change, `config`: other EngineConfig fields."""
+    return run_prompts(
+        model(), PROMPTS, max_new_tokens=GEN,
+        sizes=Sizes(**{**dict(max_seats=4, max_model_len=MAX_LEN, block_size=4), **dict(sizes)}),
+        prefill=PrefillPolicy(bucket=MAX_LEN), debug=Debug(collect_attention=True, max_traces=1),
+        **{"kv_format": FP8, **config})
 
 
 @pytest.fixture(scope="module")
 def runs():
     """fp8 rows: all-resident (the reference) and HiSparse on a device pool of 44 blocks."""
-    engines = {"all_resident": _run(all_resident=True), "pressured": _run(num_gpu_blocks=44)}
+    engines = {"all_resident": _run(residency=AllResident()),
+               "pressured": _run(sizes=dict(num_gpu_blocks=44))}
     yield engines
     for engine, _ in engines.values():
         engine.close()
@@ -87,7 +92,7 @@ def test_fp8_hisparse_under_pressure_matches_all_resident(runs):
 
 
 def test_fp8_naive_offload_matches_all_resident(runs):
-    engine, out = _run(num_gpu_blocks=44, naive_offload=True)
+    engine, out = _run(sizes=dict(num_gpu_blocks=44), residency=NaiveOffload())
     s = engine.summary()
     assert s["mode"] == "naive-offload" and engine.metrics.hot_hits == 0
     assert s["rows_moved_h2d"] > 0 and s["bytes_moved_h2d"] == s["rows_moved_h2d"] * 656
@@ -140,7 +145,7 @@ def test_fp8_engine_config_errors():
         HiSparseConfig(top_k=4, hot_size=8, block_size=4, max_num_reqs=1, row_width=96,
                        kv_format=FP8)
     # A shared pool must hold the format's rows.
-    ec = EngineConfig(max_seats=1, max_model_len=32, block_size=4, kv_format=FP8)
+    ec = EngineConfig(sizes=Sizes(max_seats=1, max_model_len=32, block_size=4), kv_format=FP8)
     with HostPool(num_layers=2, block_size=4, row_width=576, dtype="bfloat16",
                   num_blocks=20) as pool:
         with pytest.raises(ValueError, match=r"host_pool must be an open HostPool.*656"):

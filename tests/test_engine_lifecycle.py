@@ -15,13 +15,21 @@ import numpy as np
 import pytest
 
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    AllResident,
+    Debug,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    PrefillPolicy,
+    Sizes,
+    Tuning,
+)
 from hisparse_jax.ops import _registry
 from host_tier import CapacityError, Coordinator
 from tests.engine_reference import AllResidentReference, assert_idle
 
 MAX_LEN = 48
-SIZES = dict(max_seats=3, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN)
 # 27 usable device blocks: three 12-page requests need 36 plus hot regions of 8.
 PRESSURE = dict(num_gpu_blocks=28)
 
@@ -38,14 +46,18 @@ def _prompt(i, n):
 @pytest.fixture(scope="module")
 def reference():
     """request -> (finish_reason, tokens) of an all-resident engine serving it."""
-    ref = AllResidentReference(tiny_model(), **SIZES)
+    ref = AllResidentReference(tiny_model(),
+                               sizes=Sizes(max_seats=3, max_model_len=MAX_LEN, block_size=4),
+                               prefill=PrefillPolicy(bucket=MAX_LEN))
     yield ref
     ref.close()
 
 
 @pytest.fixture(scope="module")
 def shared():
-    engine = Engine(tiny_model(), EngineConfig(**SIZES, **PRESSURE))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=4, **PRESSURE),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN)))
     yield engine
     engine.close()
 
@@ -125,19 +137,26 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
     # stay on the device); a device pool of 13 usable blocks cannot grant a 20-token request
     # its hot region (5 pages + 1 new + 8); the all-resident layout holds anything up to
     # max_model_len. Nothing is queued for a refused request.
-    engine = Engine(tiny_model(), EngineConfig(**SIZES, num_host_blocks=7))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=4, num_host_blocks=7),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN)))
     with pytest.raises(CapacityError, match="host pool: the prompt needs 7 host blocks"):
         engine.add_request([1] * 25, max_new_tokens=2)
     engine.add_request([1] * 24, max_new_tokens=20)  # its generated pages may stay pinned
     assert len(engine.waiting) == 1
     engine.close()
-    engine = Engine(tiny_model(), EngineConfig(**SIZES, num_gpu_blocks=14))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=4, num_gpu_blocks=14),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN)))
     with pytest.raises(CapacityError, match="device pool: alone, the request asks for its hot"):
         engine.add_request([1] * 20, max_new_tokens=None)
     engine.add_request([1] * 10, max_new_tokens=6)
     assert len(engine.waiting) == 1
     engine.close()
-    static = Engine(tiny_model(), EngineConfig(all_resident=True, **SIZES))
+    static = Engine(tiny_model(), EngineConfig(residency=AllResident(),
+                                               sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=4),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN)))
     static.add_request([1] * 40, max_new_tokens=8)
     assert static.scheduler.manager.capacity_error(40, 49) is not None
 
@@ -146,42 +165,59 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(block_size=0), "EngineConfig.block_size must be a positive int"),
-    (dict(max_model_len=-4), "EngineConfig.max_model_len must be a positive int"),
-    (dict(max_seats=0), "EngineConfig.max_seats must be a positive int"),
-    (dict(prefill_bucket=0), "EngineConfig.prefill_bucket must be a positive int"),
-    (dict(max_seats=2.0), "EngineConfig.max_seats must be a positive int"),
-    (dict(hot_size=0), "EngineConfig.hot_size must be a positive int or None"),
-    (dict(hot_size=40000), "EngineConfig.hot_size must be <= 32768"),
-    (dict(num_gpu_blocks=1), "EngineConfig.num_gpu_blocks must be an int >= 2"),
-    (dict(num_host_blocks=True), "EngineConfig.num_host_blocks must be an int >= 2"),
-    (dict(max_traces=0), "EngineConfig.max_traces must be a positive int"),
-    (dict(seed=-1), r"EngineConfig.seed must be an int in \[0, 2\*\*32\)"),
-    (dict(seed="0"), "EngineConfig.seed must be an int"),
-    (dict(all_resident="yes"), "EngineConfig.all_resident must be a bool"),
-    (dict(compilation_cache=None), "EngineConfig.compilation_cache must be a bool"),
-    (dict(pack_host_layers=2), "EngineConfig.pack_host_layers must be a bool"),
-    (dict(all_resident=True, naive_offload=True), "exclude each other"),
-    (dict(enable_prefix_caching=True, async_scheduling=True),
-     "EngineConfig.enable_prefix_caching needs async_scheduling=False"),
-    (dict(topk_source=object()), "EngineConfig.topk_source must be a"),
-    (dict(ops_backend="bogus"), r"EngineConfig.ops_backend must be one of \('reference'"),
-    (dict(attention_backend=3), "EngineConfig.attention_backend must be a str or None"),
-    (dict(ops_backend="mosaic_gpu"), "EngineConfig.ops_backend='mosaic_gpu' has no "
+    (lambda: dict(sizes=Sizes(block_size=0)),
+     "EngineConfig.sizes.block_size must be a positive int"),
+    (lambda: dict(sizes=Sizes(max_model_len=-4)),
+     "EngineConfig.sizes.max_model_len must be a positive int"),
+    (lambda: dict(sizes=Sizes(max_seats=0)),
+     "EngineConfig.sizes.max_seats must be a positive int"),
+    (lambda: dict(prefill=PrefillPolicy(bucket=0)),
+     "EngineConfig.prefill.bucket must be a positive int"),
+    (lambda: dict(sizes=Sizes(max_seats=2.0)),
+     "EngineConfig.sizes.max_seats must be a positive int"),
+    (lambda: dict(sizes=Sizes(hot_size=0)),
+     "EngineConfig.sizes.hot_size must be a positive int or None"),
+    (lambda: dict(sizes=Sizes(hot_size=40000)), "EngineConfig.sizes.hot_size must be <= 32768"),
+    (lambda: dict(sizes=Sizes(num_gpu_blocks=1)),
+     "EngineConfig.sizes.num_gpu_blocks must be an int >= 2"),
+    (lambda: dict(sizes=Sizes(num_host_blocks=True)),
+     "EngineConfig.sizes.num_host_blocks must be an int >= 2"),
+    (lambda: dict(debug=Debug(max_traces=0)),
+     "EngineConfig.debug.max_traces must be a positive int"),
+    (lambda: dict(seed=-1),
+     r"EngineConfig.seed must be an int in \[0, 2\*\*32\)"),
+    (lambda: dict(seed="0"), "EngineConfig.seed must be an int"),
+    (lambda: dict(residency="all_resident"),
+     r"EngineConfig.residency must be HiSparse\(\), AllResident\(\) or NaiveOffload\(\)"),
+    (lambda: dict(compilation_cache=None),
+     "EngineConfig.compilation_cache must be a bool"),
+    (lambda: dict(tuning=Tuning(pack_host_layers=2)),
+     "EngineConfig.tuning.pack_host_layers must be a bool"),
+    (lambda: dict(residency=HiSparse(per_row="yes")),
+     "EngineConfig.residency.per_row must be a bool"),
+    (lambda: dict(prefill=PrefillPolicy(prefix_caching=True), async_scheduling=True),
+     "EngineConfig.prefill.prefix_caching needs EngineConfig.async_scheduling=False"),
+    (lambda: dict(topk_source=object()), "EngineConfig.topk_source must be a"),
+    (lambda: dict(tuning=Tuning(ops="bogus")),
+     r"EngineConfig.tuning.ops must be one of \('reference'"),
+    (lambda: dict(tuning=Tuning(attention=3)),
+     "EngineConfig.tuning.attention must be a str or None"),
+    (lambda: dict(tuning=Tuning(ops="mosaic_gpu")),
+     "EngineConfig.tuning.ops='mosaic_gpu' has no "
                                      "implementation of resolve_residency"),
 ])
 def test_engine_config_is_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        EngineConfig(**kwargs())
 
 
 def test_engine_config_aliases_and_the_checks_that_need_the_model_or_platform(monkeypatch):
     with pytest.warns(DeprecationWarning, match="'pallas' is deprecated"):
-        assert EngineConfig(attention_backend="pallas").attention_backend == "triton"
-    with pytest.raises(ValueError, match=r"EngineConfig.hot_size must be >= \(1 \+ "
-                                         r"num_speculative_tokens\) \* the model's top_k "
-                                         r"\(1 x 16"):
-        Engine(tiny_model(), EngineConfig(hot_size=8))
+        assert EngineConfig(tuning=Tuning(attention="pallas")).tuning.attention_backend == "triton"
+    with pytest.raises(ValueError, match=r"EngineConfig.sizes.hot_size must be >= \(1 \+ "
+                                         r"EngineConfig.speculative.num_tokens\) \* the "
+                                         r"model's top_k \(1 x 16"):
+        Engine(tiny_model(), EngineConfig(sizes=Sizes(hot_size=8)))
     calls = []
 
     def unsupported(op, backend, *args, **kwargs):
@@ -189,24 +225,37 @@ def test_engine_config_aliases_and_the_checks_that_need_the_model_or_platform(mo
         return "no such device here" if backend == "triton" else None
 
     monkeypatch.setattr(_registry, "unsupported", unsupported)
-    with pytest.raises(ValueError, match="EngineConfig.attention_backend='triton' cannot run "
+    with pytest.raises(ValueError, match="EngineConfig.tuning.attention='triton' cannot run "
                                          "on this platform: no such device here"):
-        Engine(tiny_model(), EngineConfig(attention_backend="triton", **SIZES))
+        Engine(tiny_model(), EngineConfig(tuning=Tuning(attention="triton"),
+                                          sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                      block_size=4),
+                                          prefill=PrefillPolicy(bucket=MAX_LEN)))
     # The decode call's shapes: q [S, h, W], KV rows [blocks * B, W], rows [S, top_k].
     mc = tiny_model().cfg
     assert calls[0][2] == [(3, mc.num_heads, mc.row_width),
-                           (EngineConfig(**SIZES).hisparse_config(mc).num_gpu_blocks * 4,
+                           (EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                     block_size=4),
+                                         prefill=PrefillPolicy(bucket=MAX_LEN)
+                                         ).hisparse_config(mc).num_gpu_blocks * 4,
                             mc.row_width), (3, mc.top_k)]
-    with pytest.raises(ValueError, match="EngineConfig.ops_backend='triton' cannot run "
+    with pytest.raises(ValueError, match="EngineConfig.tuning.ops='triton' cannot run "
                                          "resolve_residency on this platform"):
-        Engine(tiny_model(), EngineConfig(ops_backend="triton", **SIZES))
-    Engine(tiny_model(), EngineConfig(ops_backend="triton", all_resident=True, **SIZES))
+        Engine(tiny_model(), EngineConfig(tuning=Tuning(ops="triton"),
+                                          sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                      block_size=4),
+                                          prefill=PrefillPolicy(bucket=MAX_LEN)))
+    Engine(tiny_model(), EngineConfig(tuning=Tuning(ops="triton"), residency=AllResident(),
+                                      sizes=Sizes(max_seats=3, max_model_len=MAX_LEN, block_size=4),
+                                      prefill=PrefillPolicy(bucket=MAX_LEN)))
 
 
 def test_host_memory_is_checked_before_any_per_block_structure():
     # 10**9 host blocks of the tiny model: refused by the host pool's RAM check, at once.
-    with pytest.raises(ValueError, match="EngineConfig.num_host_blocks=1000000000.*RAM"):
-        Engine(tiny_model(), EngineConfig(num_host_blocks=10 ** 9, **SIZES))
+    with pytest.raises(ValueError, match="EngineConfig.sizes.num_host_blocks=1000000000.*RAM"):
+        Engine(tiny_model(), EngineConfig(sizes=Sizes(num_host_blocks=10 ** 9, max_seats=3,
+                                                      max_model_len=MAX_LEN, block_size=4),
+                                          prefill=PrefillPolicy(bucket=MAX_LEN)))
 
 
 # ------------------------------------------------------------------ failures of one request

@@ -9,7 +9,7 @@ import numpy as np
 
 from hisparse_jax import models
 from hisparse_jax.cache import AllResident, HiSparse, NaiveOffload
-from hisparse_jax.engine import EngineConfig, Metrics, Request
+from hisparse_jax.engine import EngineConfig, Metrics, Request, Sizes
 from hisparse_jax.engine.metrics import StepClock, summarise
 from hisparse_jax.engine.sampler import base_key, sample, token_keys
 from hisparse_jax.engine.scheduler import Scheduler
@@ -20,30 +20,31 @@ TINY = models.get_config("tiny")  # top_k 16
 
 
 def test_engine_config_gives_one_hisparse_config_per_mode():
-    ec = EngineConfig(max_seats=3, max_model_len=100, block_size=8)
+    ec = EngineConfig(sizes=Sizes(max_seats=3, max_model_len=100, block_size=8))
     cfg = ec.hisparse_config(TINY)
     assert (cfg.top_k, cfg.hot_size, cfg.block_size, cfg.max_num_reqs) == (16, 32, 8, 3)
     assert (cfg.row_width, cfg.kv_dtype) == (TINY.row_width, jnp.dtype(TINY.kv_dtype))
     assert (cfg.max_model_len, cfg.max_pages, cfg.hot_blocks) == (100, 13, 4)
     assert cfg.num_gpu_blocks == 1 + 3 * (13 + 4) and cfg.num_host_blocks == 1 + 4 * 13
     assert isinstance(ec.residency, HiSparse)
-    naive = EngineConfig(max_seats=3, max_model_len=100, block_size=8, naive_offload=True)
+    naive = EngineConfig(sizes=Sizes(max_seats=3, max_model_len=100, block_size=8),
+                         residency=NaiveOffload())
     assert naive.hisparse_config(TINY).hot_size == 16 and isinstance(naive.residency,
                                                                       NaiveOffload)
-    full = EngineConfig(max_seats=3, max_model_len=100, block_size=8, all_resident=True,
-                        num_gpu_blocks=7, num_host_blocks=9)
+    full = EngineConfig(sizes=Sizes(max_seats=3, max_model_len=100, block_size=8, num_gpu_blocks=7,
+                                    num_host_blocks=9), residency=AllResident())
     cfg = full.hisparse_config(TINY)
     assert cfg.num_gpu_blocks == 1 + 3 * 13 and cfg.num_host_blocks is None
     assert cfg.host_rows == 0 and isinstance(full.residency, AllResident)
-    sized = EngineConfig(num_gpu_blocks=50, num_host_blocks=60, hot_size=48)
+    sized = EngineConfig(sizes=Sizes(num_gpu_blocks=50, num_host_blocks=60, hot_size=48))
     assert sized.hisparse_config(TINY).num_gpu_blocks == 50
     assert sized.hisparse_config(TINY, num_host_blocks=70).num_host_blocks == 70  # a pool's
     assert sized.hisparse_config(TINY).hot_size == 48
 
 
 def _static(seats=2):
-    cfg = EngineConfig(max_seats=seats, max_model_len=16, block_size=4,
-                       all_resident=True).hisparse_config(TINY)
+    cfg = EngineConfig(sizes=Sizes(max_seats=seats, max_model_len=16, block_size=4),
+                       residency=AllResident()).hisparse_config(TINY)
     return StaticResidency(cfg), cfg
 
 
@@ -104,8 +105,8 @@ def test_scheduler_admits_runs_finishes_and_takes_the_fast_path():
 
 
 def test_scheduler_on_a_coordinator_keeps_hot_room_and_preempts_when_stalled():
-    ec = EngineConfig(max_seats=2, max_model_len=64, block_size=4, num_gpu_blocks=14,
-                      hot_size=16)
+    ec = EngineConfig(sizes=Sizes(max_seats=2, max_model_len=64, block_size=4, num_gpu_blocks=14,
+                                  hot_size=16))
     cfg = ec.hisparse_config(TINY)
     manager = Coordinator.from_config(cfg, num_gpu_blocks=cfg.num_gpu_blocks,
                                       num_host_blocks=cfg.num_host_blocks,

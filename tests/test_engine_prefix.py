@@ -1,4 +1,4 @@
-"""Prefix reuse in the engine (`EngineConfig.enable_prefix_caching`).
+"""Prefix reuse in the engine (`EngineConfig.prefill.prefix_caching`).
 
 A request whose prompt starts with pages an earlier request published prefills only the rest
 of its prompt (from its first uncached position, through `Transformer.prefill_chunk`), reading
@@ -31,7 +31,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    Engine,
+    EngineConfig,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    Speculative,
+)
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.topk_sources import DriftTopK
@@ -54,7 +61,9 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference():
-    ref = AllResidentReference(tiny_model(), **SIZES)
+    ref = AllResidentReference(tiny_model(),
+                               sizes=Sizes(max_seats=3, max_model_len=MAX_LEN, block_size=B),
+                               prefill=PrefillPolicy(bucket=MAX_LEN))
     yield ref
     ref.close()
 
@@ -62,8 +71,11 @@ def reference():
 @pytest.fixture(scope="module", params=[None, 5], ids=["one-shot", "chunk-5"])
 def engine(request):
     """A HiSparse engine with prefix caching (one-shot prefill, or chunks of 5 tokens)."""
-    engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True,
-                                               prefill_chunk_size=request.param, **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     chunk_size=request.param,
+                                                                     bucket=MAX_LEN),
+                                               sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=B)))
     yield engine
     engine.close()
 
@@ -116,7 +128,7 @@ def check_hit_case(engine, reference, shared, tail, expect, between=None):
     """A `HIT_CASES` case: a 23-token prompt, then (after `between(engine, seed)`, if given)
     one sharing its first `shared` tokens (plus `tail` new ones) that reuses `expect`; both
     decode what all-resident decodes."""
-    seed = 1000 * shared + (tail or 0) + (engine.config.prefill_chunk_size or 0)
+    seed = 1000 * shared + (tail or 0) + (engine.config.prefill.chunk_size or 0)
     first = _tokens(seed, 23)
     second = first[:shared] + ([] if tail is None else _tokens(seed + 1, tail))
     out, reused = _serve(engine, first)
@@ -130,7 +142,7 @@ def check_hit_case(engine, reference, shared, tail, expect, between=None):
 
 
 def test_multi_turn_reuses_the_first_turn_with_its_generated_tokens(engine, reference):
-    prompt = _tokens(7 + (engine.config.prefill_chunk_size or 0), 14)
+    prompt = _tokens(7 + (engine.config.prefill.chunk_size or 0), 14)
     turn1, reused = _serve(engine, prompt)
     assert reused == 0
     _assert_same(turn1, reference)
@@ -148,9 +160,12 @@ def test_multi_turn_reuses_the_first_turn_with_its_generated_tokens(engine, refe
 def test_under_pressure_hit_pages_are_restored_from_host(reference, chunk):
     # 27 usable device blocks, 40 host blocks: the fillers reuse the prefix's device copies
     # (and evict some published host pages).
-    engine = Engine(tiny_model(), EngineConfig(
-        enable_prefix_caching=True, prefill_chunk_size=chunk, num_gpu_blocks=28,
-        num_host_blocks=41, **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     chunk_size=chunk,
+                                                                     bucket=MAX_LEN),
+                                               sizes=Sizes(num_gpu_blocks=28, num_host_blocks=41,
+                                                           max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=B)))
     try:
         stats = engine.scheduler.manager.stats
         first = _tokens(31, 22)
@@ -178,9 +193,12 @@ def test_warmup_compiles_what_prefix_hits_reach(reference, hit_pages):
     # Under pressure: hits restore pages from host (or stage their rows:
     # tests/test_engine_staging.py), copy-on-write, the rest of a hit prompt as one chunk of
     # a one-shot engine, page index-key copies; no served step compiles.
-    engine = Engine(tiny_model(), EngineConfig(
-        enable_prefix_caching=True, prefix_hit_pages=hit_pages, num_gpu_blocks=28,
-        num_host_blocks=41, **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     prefix_hit_pages=hit_pages,
+                                                                     bucket=MAX_LEN),
+                                               sizes=Sizes(num_gpu_blocks=28, num_host_blocks=41,
+                                                           max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=B)))
     try:
         engine.warmup()
         assert {"restore_rows", "prefill", "prefill_chunk"} <= set(engine.runner.warmed)
@@ -216,7 +234,10 @@ def test_a_device_reset_forgets_the_published_prefixes(reference, monkeypatch):
     # before may be reused (its device copies are gone); the next prompt is computed whole.
     from tests.test_engine_lifecycle import lose_the_device_in_a_prefill
 
-    engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True, **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     bucket=MAX_LEN),
+                                               sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=B)))
     try:
         first = _tokens(90, 22)
         _serve(engine, first)
@@ -234,9 +255,10 @@ def test_a_device_reset_forgets_the_published_prefixes(reference, monkeypatch):
 @pytest.fixture(scope="module")
 def small_host_engine():
     """A chunked engine whose small host pool evicts published pages between examples."""
-    engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True,
-                                               prefill_chunk_size=8, num_host_blocks=24,
-                                               **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     chunk_size=8, bucket=MAX_LEN),
+                                               sizes=Sizes(num_host_blocks=24, max_seats=3,
+                                                           max_model_len=MAX_LEN, block_size=B)))
     yield engine
     engine.close()
 
@@ -272,8 +294,10 @@ def check_shared_prefix(engine, reference, shared, tail, seed, between=None):
 
 def test_the_key_store_drops_evicted_pages():
     # 15 usable host blocks: every request evicts published pages of earlier ones.
-    engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True, num_host_blocks=16,
-                                               **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     bucket=MAX_LEN),
+                                               sizes=Sizes(num_host_blocks=16, max_seats=3,
+                                                           max_model_len=MAX_LEN, block_size=B)))
     try:
         for i in range(4):
             _serve(engine, _tokens(500 + i, 25))
@@ -288,26 +312,35 @@ def test_the_key_store_drops_evicted_pages():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(enable_prefix_caching=1), "EngineConfig.enable_prefix_caching must be a bool"),
-    (dict(naive_offload=True), "enable_prefix_caching needs naive_offload=False"),
-    (dict(topk_source=DriftTopK()), "enable_prefix_caching needs the indexer"),
-    (dict(num_speculative_tokens=1), "enable_prefix_caching needs num_speculative_tokens=0"),
+    (lambda: dict(prefill=PrefillPolicy(prefix_caching=1)),
+     "EngineConfig.prefill.prefix_caching must be a bool"),
+    (lambda: dict(residency=NaiveOffload()),
+     "EngineConfig.prefill.prefix_caching needs EngineConfig.residency other than NaiveOffload"),
+    (lambda: dict(topk_source=DriftTopK()),
+     "EngineConfig.prefill.prefix_caching needs the indexer"),
+    (lambda: dict(speculative=Speculative(num_tokens=1)),
+     "EngineConfig.prefill.prefix_caching needs EngineConfig.speculative=None"),
 ])
 def test_prefix_config_is_checked_at_construction(kwargs, match):
-    kwargs = {"enable_prefix_caching": True, **kwargs}
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        EngineConfig(**{"prefill": PrefillPolicy(prefix_caching=True), **kwargs()})
 
 
 def test_the_mesh_engine_refuses_prefix_caching():
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.enable_prefix_caching"):
-        MeshEngine(tiny_model(), EngineConfig(enable_prefix_caching=True, **SIZES))
+    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.prefill.prefix_caching"):
+        MeshEngine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                    bucket=MAX_LEN),
+                                              sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                          block_size=B)))
 
 
 def test_page_keys_move_in_batches_and_touch_only_their_pages():
     # Reads and writes of page keys go in fixed batches of `_key_pages` pages (padding pages
     # -1: read nothing, write nothing); a batch of 3 splits 7 pages into 3 calls here.
-    engine = Engine(tiny_model(), EngineConfig(enable_prefix_caching=True, **SIZES))
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     bucket=MAX_LEN),
+                                               sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                           block_size=B)))
     runner = engine.runner
     runner._key_pages = 3
     rng = np.random.default_rng(7)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from hisparse_jax import models
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import AllResident, Engine, EngineConfig, PrefillPolicy, Sizes, Speculative
 from hisparse_jax.engine.static_residency import StaticResidency
 from tests.engine_reference import AllResidentReference, assert_idle
 from tests.test_engine_prefix import _tokens
@@ -147,13 +147,20 @@ def test_without_reuse_nothing_is_kept():
 
 
 def _reuse_engine(chunk=None) -> Engine:
-    return Engine(tiny_model(), EngineConfig(all_resident=True, enable_prefix_caching=True,
-                                             prefill_chunk_size=chunk, **SIZES))
+    return Engine(tiny_model(), EngineConfig(residency=AllResident(),
+                                             prefill=PrefillPolicy(prefix_caching=True,
+                                                                   chunk_size=chunk,
+                                                                   bucket=MAX_LEN),
+                                             sizes=Sizes(max_seats=2, max_model_len=MAX_LEN,
+                                                         block_size=B)))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    with contextlib.closing(AllResidentReference(tiny_model(), **SIZES)) as ref:
+    with contextlib.closing(AllResidentReference(tiny_model(),
+                                                 sizes=Sizes(max_seats=2, max_model_len=MAX_LEN,
+                                                             block_size=B),
+                                                 prefill=PrefillPolicy(bucket=MAX_LEN))) as ref:
         yield ref
 
 
@@ -243,13 +250,17 @@ def test_a_device_reset_forgets_the_kept_rows(reference, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(async_scheduling=True), "enable_prefix_caching needs async_scheduling=False"),
-    (dict(num_speculative_tokens=1), "enable_prefix_caching needs num_speculative_tokens=0"),
-    (dict(prefix_hit_pages="stage"), "prefix_hit_pages='stage' needs the HiSparse mode"),
+    (lambda: dict(async_scheduling=True),
+     "EngineConfig.prefill.prefix_caching needs EngineConfig.async_scheduling=False"),
+    (lambda: dict(speculative=Speculative(num_tokens=1)),
+     "EngineConfig.prefill.prefix_caching needs EngineConfig.speculative=None"),
+    (lambda: dict(prefill=PrefillPolicy(prefix_caching=True, prefix_hit_pages="stage")),
+     "EngineConfig.prefill.prefix_hit_pages='stage' needs the HiSparse mode"),
 ])
 def test_seat_reuse_config_is_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(all_resident=True, enable_prefix_caching=True, **kwargs)
+        EngineConfig(**{"residency": AllResident(), "prefill": PrefillPolicy(prefix_caching=True),
+                        **kwargs()})
 
 
 def test_warmup_compiles_what_seat_reuse_reaches(reference):

@@ -17,7 +17,17 @@ import pytest
 
 from hisparse_jax import models
 from hisparse_jax.draft_sources import AcceptanceRateDraft, MTPDraft, ScriptedDraft
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import (
+    AllResident,
+    Debug,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    NaiveOffload,
+    PrefillPolicy,
+    Sizes,
+    Speculative,
+)
 from hisparse_jax.engine.mesh import MeshEngine
 
 MAX_LEN = 96
@@ -49,11 +59,13 @@ def tiny_model():
     return models.init_model(models.get_config("tiny", mtp_layers=1), seed=0)
 
 
-def _serve(**overrides):
-    kw = dict(max_seats=4, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
-              collect_attention=True, compilation_cache=False)
-    kw.update(overrides)
-    engine = Engine(tiny_model(), EngineConfig(**kw))
+def _serve(*, sizes=(), **config):
+    """The prompts on a fresh engine: 4 seats of MAX_LEN tokens, pages of 4, attention kept;
+    `sizes`: the Sizes fields that change, `config`: other EngineConfig fields."""
+    engine = Engine(tiny_model(), EngineConfig(
+        sizes=Sizes(**{**dict(max_seats=4, max_model_len=MAX_LEN, block_size=4), **dict(sizes)}),
+        prefill=PrefillPolicy(bucket=MAX_LEN), debug=Debug(collect_attention=True),
+        compilation_cache=False, **config))
     ids = [engine.add_request(p, max_new_tokens=GEN, temperature=t)
            for p, t in zip(PROMPTS, TEMPERATURES, strict=True)]
     out = engine.run()
@@ -62,7 +74,7 @@ def _serve(**overrides):
 
 @pytest.fixture(scope="module")
 def reference():
-    engine, out = _serve(all_resident=True)
+    engine, out = _serve(residency=AllResident())
     engine.close()
     return out
 
@@ -83,9 +95,10 @@ def _check_same(reference, engine, out):
 def test_scripted_patterns_emit_exactly_the_tokens_of_decoding_without_speculation(
         reference, k, mode):
     source = ScriptedDraft({r.index: r.generated for r in reference}, _accept(k))
-    kw = {"hisparse": dict(num_gpu_blocks=44 + 8 * k), "all-resident": dict(all_resident=True),
-          "naive-offload": dict(naive_offload=True)}[mode]
-    engine, out = _serve(num_speculative_tokens=k, draft_source=source, **kw)
+    kw = {"hisparse": dict(sizes=dict(num_gpu_blocks=44 + 8 * k)),
+          "all-resident": dict(residency=AllResident()),
+          "naive-offload": dict(residency=NaiveOffload())}[mode]
+    engine, out = _serve(speculative=Speculative(num_tokens=k, draft=source), **kw)
     try:
         _check_same(reference, engine, out)
         s = engine.summary()
@@ -111,10 +124,12 @@ def test_preempted_speculative_requests_replay_exactly(reference):
     """Decode steps that fail (injected, twice, mid-run) preempt their batch; the requests are
     recomputed by replay, their known tokens fed back as drafts, and end exactly as before."""
     source = ScriptedDraft({r.index: r.generated for r in reference}, _accept(7))
-    engine = Engine(tiny_model(), EngineConfig(
-        max_seats=4, max_model_len=MAX_LEN, block_size=4, prefill_bucket=MAX_LEN,
-        collect_attention=True, compilation_cache=False, num_gpu_blocks=60,
-        num_speculative_tokens=2, draft_source=source))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=4, max_model_len=MAX_LEN,
+                                                           block_size=4, num_gpu_blocks=60),
+                                               prefill=PrefillPolicy(bucket=MAX_LEN),
+                                               debug=Debug(collect_attention=True),
+                                               compilation_cache=False,
+                                               speculative=Speculative(num_tokens=2, draft=source)))
     calls = {"n": 0}
     for name, step in list(engine.runner.jitted.items()):
         if name.startswith("decode"):
@@ -143,7 +158,8 @@ def test_preempted_speculative_requests_replay_exactly(reference):
 
 def test_mtp_drafts_and_the_per_row_ablation_are_exact(reference):
     for union in (True, False):
-        engine, out = _serve(num_speculative_tokens=2, num_gpu_blocks=60, union_resolution=union)
+        engine, out = _serve(speculative=Speculative(num_tokens=2), sizes=dict(num_gpu_blocks=60),
+                             residency=HiSparse(per_row=not union))
         try:
             _check_same(reference, engine, out)
             assert engine.config.draft == MTPDraft()
@@ -155,9 +171,11 @@ def test_mtp_drafts_and_the_per_row_ablation_are_exact(reference):
 
 def test_acceptance_rate_draft_accepts_at_its_rate():
     rate, k = 0.6, 2
-    engine = Engine(tiny_model(), EngineConfig(
-        max_seats=4, max_model_len=256, block_size=4, all_resident=True, compilation_cache=False,
-        num_speculative_tokens=k, draft_source=AcceptanceRateDraft(rate)))
+    engine = Engine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=4, max_model_len=256,
+                                                           block_size=4), residency=AllResident(),
+                                               compilation_cache=False,
+                                               speculative=Speculative(
+                                                   num_tokens=k, draft=AcceptanceRateDraft(rate))))
     for p in PROMPTS:
         engine.add_request(p[:20], max_new_tokens=200)
     engine.run()
@@ -170,24 +188,28 @@ def test_acceptance_rate_draft_accepts_at_its_rate():
 
 
 def test_speculation_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an int in \[0, "
-                                         r"block_size=4\)"):
-        EngineConfig(block_size=4, num_speculative_tokens=4)
-    with pytest.raises(ValueError, match="draft_source needs num_speculative_tokens >= 1"):
-        EngineConfig(draft_source=MTPDraft())
-    with pytest.raises(ValueError, match="draft_source must be a hisparse_jax.draft_sources"):
-        EngineConfig(num_speculative_tokens=1, draft_source="mtp")
-    with pytest.raises(ValueError, match="union_resolution=False"):
-        EngineConfig(union_resolution=False)
+    with pytest.raises(ValueError, match=r"EngineConfig.speculative.num_tokens must be an int in "
+                                         r"\[1, EngineConfig.sizes.block_size=4\)"):
+        EngineConfig(sizes=Sizes(block_size=4), speculative=Speculative(num_tokens=4))
+    with pytest.raises(ValueError, match="EngineConfig.speculative.num_tokens must be a positive"):
+        Speculative(num_tokens=0, draft=MTPDraft())
+    with pytest.raises(ValueError, match="EngineConfig.speculative.draft must be a "
+                                         "hisparse_jax.draft_sources"):
+        EngineConfig(speculative=Speculative(num_tokens=1, draft="mtp"))
+    with pytest.raises(ValueError, match="per_row=True"):
+        EngineConfig(residency=HiSparse(per_row=True))
     with pytest.raises(ValueError, match="acceptance_rate must be a number in"):
         AcceptanceRateDraft(1.5)
     plain = models.init_model("tiny", seed=0)  # no MTP module
     with pytest.raises(ValueError, match="needs a model with an MTP module"):
-        Engine(plain, EngineConfig(num_speculative_tokens=1))
-    with pytest.raises(ValueError, match=r"hot_size must be >= \(1 \+ num_speculative_tokens\)"):
-        Engine(tiny_model(), EngineConfig(num_speculative_tokens=1, hot_size=16))
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.num_speculative_tokens"):
-        MeshEngine(tiny_model(), EngineConfig(num_speculative_tokens=1), mesh_shape=(1, 1))
+        Engine(plain, EngineConfig(speculative=Speculative(num_tokens=1)))
+    with pytest.raises(ValueError, match=r"EngineConfig.sizes.hot_size must be >= \(1 \+ "
+                                         r"EngineConfig.speculative.num_tokens\)"):
+        Engine(tiny_model(), EngineConfig(speculative=Speculative(num_tokens=1),
+                                          sizes=Sizes(hot_size=16)))
+    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.speculative.num_tokens"):
+        MeshEngine(tiny_model(), EngineConfig(speculative=Speculative(num_tokens=1)),
+                   mesh_shape=(1, 1))
 
 
 def test_mtp_module_leaves_the_main_model_unchanged():
@@ -212,11 +234,12 @@ def test_gpu_scale_speculation_under_pressure_matches_plain_decoding():
     model = models.init_model("dsv32-2l", seed=0)
     prompts = [np.random.default_rng(i).integers(0, 129280, 3000 + 71 * i).tolist()
                for i in range(8)]
-    base = dict(max_model_len=4096, block_size=64, prefill_bucket=4096,
-                compilation_cache=True)
 
-    def serve(**extra):
-        engine = Engine(model, EngineConfig(**base, **extra))
+    def serve(residency=None, speculative=None, **sizes):
+        engine = Engine(model, EngineConfig(
+            sizes=Sizes(max_model_len=4096, block_size=64, **sizes),
+            prefill=PrefillPolicy(bucket=4096), compilation_cache=True,
+            residency=residency or HiSparse(), speculative=speculative))
         ids = [engine.add_request(p, max_new_tokens=24) for p in prompts]
         out = engine.run()
         engine.close()
@@ -224,17 +247,17 @@ def test_gpu_scale_speculation_under_pressure_matches_plain_decoding():
 
     same_rows_as_plain8 = None
     for k in (1, 2):
-        _, plain = serve(max_seats=8 * (1 + k), all_resident=True)
+        _, plain = serve(max_seats=8 * (1 + k), residency=AllResident())
         s, out = serve(max_seats=8, num_gpu_blocks=400, hot_size=2048 * (1 + k),
-                       num_speculative_tokens=k, draft_source=ScriptedDraft(
-                           {r.index: r.generated for r in plain}, _random_pattern(3)))
+                       speculative=Speculative(num_tokens=k, draft=ScriptedDraft(
+                           {r.index: r.generated for r in plain}, _random_pattern(3))))
         print(k, s)
         assert s["hot_grants"] > 0 and s["rows_moved_h2d"] > 0 and s["lost_pages"] > 0, s
         assert s["accepted_tokens"] > 0 and s["tokens_per_request_step"] > 1.0, s
         for a, b in zip(plain, out, strict=True):
             assert a.generated == b.generated, (k, a.request_id, a.generated, b.generated)
         if same_rows_as_plain8 is None:
-            _, plain8 = serve(max_seats=8, all_resident=True)
+            _, plain8 = serve(max_seats=8, residency=AllResident())
             same_rows_as_plain8 = [a.generated == b.generated
                                    for a, b in zip(plain8, plain, strict=True)]
             print("plain decoding, 8 vs 16 batch rows, same tokens per request:",

@@ -1,4 +1,4 @@
-"""Prefill staging of prefix hits (`EngineConfig.prefix_hit_pages="stage"`).
+"""Prefill staging of prefix hits (`EngineConfig.prefill.prefix_hit_pages="stage"`).
 
 A prefix hit's pages without a device copy stay host-only (no restore, no resident block);
 each prefill chunk of the request stages the rows its query rows select from them
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hisparse_jax import models
 from hisparse_jax.cache import AllResident, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import Engine, EngineConfig, PrefillPolicy, Sizes
 from tests.engine_reference import AllResidentReference
 from tests.test_engine_prefix import (
     HIT_CASES,
@@ -47,19 +47,25 @@ from tests.test_engine_prefix import (
 # 27 usable device blocks, 40 host blocks: fillers take the device blocks of the prefix's
 # published pages, so a later hit finds no device copy to adopt and reads host pages.
 PRESSURE = dict(num_gpu_blocks=28, num_host_blocks=41)
+# test_engine_prefix's SIZES as groups.
+GROUPS = dict(sizes=Sizes(max_seats=SIZES["max_seats"], max_model_len=SIZES["max_model_len"],
+                          block_size=B),
+              prefill=PrefillPolicy(bucket=SIZES["prefill_bucket"]))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    ref = AllResidentReference(tiny_model(), **SIZES)
+    ref = AllResidentReference(tiny_model(), **GROUPS)
     yield ref
     ref.close()
 
 
-def _engine(chunk, **kwargs):
+def _engine(chunk, **sizes):
+    """A staging engine of prefill chunks of `chunk` under PRESSURE (`sizes`: changes)."""
     return Engine(tiny_model(), EngineConfig(
-        enable_prefix_caching=True, prefix_hit_pages="stage", prefill_chunk_size=chunk,
-        **{**PRESSURE, **kwargs}, **SIZES))
+        prefill=dataclasses.replace(GROUPS["prefill"], prefix_caching=True,
+                                    prefix_hit_pages="stage", chunk_size=chunk),
+        sizes=dataclasses.replace(GROUPS["sizes"], **{**PRESSURE, **sizes})))
 
 
 def _evict_device_copies(engine, reference, seed):
@@ -286,11 +292,15 @@ def test_staged_hits_are_admitted_for_the_blocks_they_take():
     # its host-only hit pages: two second turns (27 pages, 25 of them hit) on 49 usable
     # blocks are admitted in one step. Counting every prompt page (27 + the 8-block
     # watermark) the second one waited for the first to unpin.
-    sizes = dict(max_seats=2, max_model_len=128, block_size=B, prefill_bucket=128)
-    engine = Engine(tiny_model(), EngineConfig(
-        enable_prefix_caching=True, prefix_hit_pages="stage", prefill_chunk_size=16,
-        num_gpu_blocks=50, num_host_blocks=200, **sizes))
-    reference = AllResidentReference(tiny_model(), **sizes)
+    engine = Engine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                     prefix_hit_pages="stage",
+                                                                     chunk_size=16, bucket=128),
+                                               sizes=Sizes(num_gpu_blocks=50, num_host_blocks=200,
+                                                           max_seats=2, max_model_len=128,
+                                                           block_size=B)))
+    reference = AllResidentReference(tiny_model(),
+                                     sizes=Sizes(max_seats=2, max_model_len=128, block_size=B),
+                                     prefill=PrefillPolicy(bucket=128))
     try:
         firsts = [_tokens(1, 100), _tokens(2, 100)]
         ids = [engine.add_request(p, max_new_tokens=4) for p in firsts]

@@ -55,7 +55,7 @@ from hypothesis.stateful import (
 
 from hisparse_jax import models
 from hisparse_jax.draft_sources import ScriptedDraft
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import Engine, EngineConfig, PrefillPolicy, Sizes, Speculative
 from host_tier import CapacityError
 from tests.engine_reference import AllResidentReference, assert_idle
 
@@ -118,12 +118,17 @@ def engines(speculative_tokens=0):
     # The reference decodes as many rows per step as the speculative engine verifies (3 seats
     # of 1 + k rows): a matmul of another row count rounds differently, and a near-tie of the
     # random model then flips a token (seen: logits 3.08814 / 3.08804 for two tokens).
-    reference = AllResidentReference(model, **dict(SIZES, max_seats=SIZES["max_seats"] * (1 + k)))
-    spec = {} if not k else dict(num_speculative_tokens=k,
-                                 draft_source=ReferenceDraft(reference))
-    engine = Engine(model, EngineConfig(num_gpu_blocks=DEVICE_BLOCKS + 8 * k,
-                                        hot_size=16 * (1 + k), num_host_blocks=HOST_BLOCKS,
-                                        **SIZES, **spec))
+    reference = AllResidentReference(
+        model, sizes=Sizes(max_model_len=MAX_LEN, block_size=4,
+                           max_seats=SIZES["max_seats"] * (1 + k)),
+        prefill=PrefillPolicy(bucket=MAX_LEN))
+    spec = {} if not k else dict(speculative=Speculative(num_tokens=k,
+                                                         draft=ReferenceDraft(reference)))
+    engine = Engine(model, EngineConfig(sizes=Sizes(num_gpu_blocks=DEVICE_BLOCKS + 8 * k,
+                                                    hot_size=16 * (1 + k),
+                                                    num_host_blocks=HOST_BLOCKS, max_seats=3,
+                                                    max_model_len=MAX_LEN, block_size=4),
+                                        prefill=PrefillPolicy(bucket=MAX_LEN), **spec))
     runner, transfers = engine.runner, engine.scheduler.transfers
 
     def lose_cache():  # the prefill's new cache is installed: delete it (a lost device)

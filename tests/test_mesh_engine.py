@@ -126,7 +126,8 @@ def test_pressured_mesh_reads_through_hot_regions(meshes):
 
 def test_bad_meshes_are_refused_naming_the_rule(meshes):
     errors = meshes["errors"]
-    assert "EngineConfig.max_seats=6" in errors["seats"] and "data axis (4)" in errors["seats"]
+    assert "EngineConfig.sizes.max_seats=6" in errors["seats"]
+    assert "data axis (4)" in errors["seats"]
     assert "3x1" in errors["devices"] and "4 devices" not in errors["devices"]
     assert "model axis (4)" in errors["heads"] and "w_uk" in errors["heads"]
 
@@ -155,7 +156,7 @@ def _free_port():
 
 @pytest.mark.parametrize("spec", ["2x2:pressured"])
 def test_two_processes_decode_the_single_device_tokens(tmp_path, spec):
-    from hisparse_jax.engine import Engine, EngineConfig
+    from hisparse_jax.engine import Engine
     from tests import _mesh_worker
 
     port = _free_port()
@@ -165,7 +166,7 @@ def test_two_processes_decode_the_single_device_tokens(tmp_path, spec):
         _wait(proc)
     records = [json.loads(o.read_text()) for o in outs]
     ref = _mesh_worker.run(Engine(models.init_model("tiny", seed=0),
-                                  EngineConfig(**_mesh_worker.CONFIG, all_resident=True)))
+                                  _mesh_worker.engine_config()))
     merged = {}
     for i, r in enumerate(records):
         assert r["process"] == i and r["devices"] == 4 and r["local_devices"] == 2

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from hisparse_jax import models
-from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import AllResident, Engine, EngineConfig
 from hisparse_jax.models import ModelSpec, check_served_model
 
 FIELDS = dict(name="m", vocab_size=16, top_k=4, kv_lora_rank=8, rope_dim=0, num_heads=1,
@@ -57,7 +57,7 @@ def test_the_engines_refuse_what_is_not_a_served_model():
     with pytest.raises(ValueError, match="must have a `spec`"):
         check_served_model("Engine", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="does not implement .*: no decode"):
-        Engine(_NoDecode(), EngineConfig(all_resident=True))
+        Engine(_NoDecode(), EngineConfig(residency=AllResident()))
 
 
 def test_the_engine_imports_no_model():

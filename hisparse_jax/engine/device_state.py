@@ -123,9 +123,9 @@ class DeviceState:
         self.hot_deferred: np.ndarray | None = None  # `apply_plan_state`, fresh state: none
         kv = HiSparseKVCache.create(cfg, num_layers=spec.num_layers, residency=self.residency,
                                     index_group_size=spec.index_group_size,
-                                    ops_backend=ec.ops_backend,
-                                    copy_programs=ec.copy_programs,
-                                    copy_with_attention=ec.copy_with_attention)
+                                    ops_backend=ec.tuning.ops_backend,
+                                    copy_programs=ec.tuning.copy_programs,
+                                    copy_with_attention=ec.tuning.copy_with_attention)
         self.cache = self.put(DecodeCache(
             kv=kv, index_keys=tuple(jnp.zeros(k.shape, k.dtype) for k in self._index_keys)))
         self.topk_state = None

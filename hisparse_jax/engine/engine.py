@@ -20,17 +20,18 @@ The engine composes its parts; one engine step is one scheduler pass and one mod
     (`sampler.py`), `EngineConfig` (`config.py`).
 
 Every mode runs the same step path; the modes differ only in the manager and in the
-KV-cache handle's residency type (`hisparse_jax.cache`). `all_resident=True` keeps every KV
-row on the device with no host tier at all (the baseline and the exactness reference);
-`naive_offload=True` is the other baseline (every row read from host, no hot-region reuse).
+KV-cache handle's residency type (`hisparse_jax.cache`, `EngineConfig.residency`).
+`AllResident()` keeps every KV row on the device with no host tier at all (the baseline and
+the exactness reference); `NaiveOffload()` is the other baseline (every row read from host,
+no hot-region reuse).
 HiSparse steps whose scheduled requests have every context page resident run the
 `AllResident` variant (upstream `all_context_pages_resident`), which never touches the host
 tier.
 
-With `EngineConfig.enable_prefix_caching` the coordinator publishes durable pages and a
+With `EngineConfig.prefill.prefix_caching` the coordinator publishes durable pages and a
 request whose prompt starts with published pages prefills only the rest (a chunk from its first
 uncached position); the hit pages are made resident before the step (or, with
-`prefix_hit_pages="stage"`, stay host-only and each chunk stages the rows it selects:
+`prefill.prefix_hit_pages="stage"`, stay host-only and each chunk stages the rows it selects:
 `docs/semantics.md`, prefill staging) and their index keys come from the engine's
 `IndexKeyStore` (`prefix_keys.py`, kept by `PageKeys`, `page_keys.py`), filled when a page
 seals and dropped with the published page (`docs/semantics.md`, prefix reuse in the
@@ -39,7 +40,7 @@ finished request's state row keeps its rows and a later prompt extending them pr
 the rest, its rows and index keys already in place.
 
 For benchmarks at long contexts the top-k can come from a `hisparse_jax.topk_sources`
-source instead of the indexer, and `synthetic_prefill` writes deterministic random KV rows
+source instead of the indexer, and `prefill.synthetic` writes deterministic random KV rows
 instead of running the model over the prompt; decode always runs the model.
 
 Request lifecycle (requests are transactions: whatever one request does wrong, the engine
@@ -51,7 +52,7 @@ keeps serving the others and loses none of their work):
     >= 0, stop token ids in the vocab; `host_tier.CapacityError` (a ValueError) with the
     residency manager's reason when the pools could never hold the request even alone.
   * A request whose admission or prefill (any chunk of it, with
-    `EngineConfig.prefill_chunk_size`) fails is released (its blocks, transfers and seat;
+    `EngineConfig.prefill.chunk_size`) fails is released (its blocks, transfers and seat;
     its hot row is reset at the seat's next admission) and finishes with
     finish_reason="error" and `Request.error`; so does a request that can never make
     progress, or whose page restore the worker reports failed. The step goes on.
@@ -87,6 +88,7 @@ from typing import Any
 
 import jax
 
+from hisparse_jax.cache import NaiveOffload
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine import warmup as _warmup
@@ -120,24 +122,25 @@ def residency_parts(cfg: HiSparseConfig, ec: EngineConfig, host_pool: Any, *,
     group spill copy with `mirror_groups`; a refusal's ValueError names `who`'s sizes
     unless who is None), else `StaticResidency` (seat reuse with prefix caching) and
     `NoTransfers`."""
-    prefix = ec.enable_prefix_caching
+    prefix = ec.prefill.prefix_caching
     if not ec.residency.reads_host:
         return StaticResidency(cfg, reuse_seats=prefix), NoTransfers()
     try:
         manager = Coordinator.from_config(
-            cfg, enable_prefix_caching=prefix, offload_all=ec.naive_offload,
+            cfg, enable_prefix_caching=prefix, offload_all=isinstance(ec.residency, NaiveOffload),
             resident_prefix_hits=prefix and not ec.stages_prefix_hits)
     except ValueError as e:
         if who is None:
             raise
-        raise ValueError(f"{who}: EngineConfig.num_gpu_blocks={cfg.num_gpu_blocks} "
+        raise ValueError(f"{who}: EngineConfig.sizes.num_gpu_blocks={cfg.num_gpu_blocks} "
                          f"/ num_host_blocks={cfg.num_host_blocks} refused by the "
                          f"host tier: {e}") from e
-    groups = ({"mirror_group_fn": functools.partial(mirror_rows_group, backend=ec.ops_backend)}
+    backend = ec.tuning.ops_backend
+    groups = ({"mirror_group_fn": functools.partial(mirror_rows_group, backend=backend)}
               if mirror_groups else {})
     transfers = TransferEngine(
-        host_pool, mirror_fn=functools.partial(mirror_rows, backend=ec.ops_backend),
-        restore_fn=functools.partial(restore_rows, backend=ec.ops_backend), **groups)
+        host_pool, mirror_fn=functools.partial(mirror_rows, backend=backend),
+        restore_fn=functools.partial(restore_rows, backend=backend), **groups)
     return manager, transfers
 
 
@@ -164,9 +167,9 @@ class Engine(EngineFront):
           config: serving knobs (default `EngineConfig()`).
           host_pool: an existing `host_tier.HostPool` to use (and not close): e.g. one pool
             shared by engines that run one after another, instead of pinning a new pool per
-            engine. Its block count replaces `config.num_host_blocks` and its packing
+            engine. Its block count replaces `config.sizes.num_host_blocks` and its packing
             (`layers_per_array`, which must divide the index group size)
-            `config.pack_host_layers` (ignored when all-resident).
+            `config.tuning.pack_host_layers` (ignored when all-resident).
         """
         self.config, self.spec = ec, spec = checked_config("Engine", model, config)
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
@@ -187,7 +190,7 @@ class Engine(EngineFront):
                     cfg, num_layers=spec.num_layers, device=device,
                     layers_per_array=ec.host_layers_per_array(spec))
             except ValueError as e:
-                raise ValueError(f"Engine: the host pool of EngineConfig.num_host_blocks="
+                raise ValueError(f"Engine: the host pool of EngineConfig.sizes.num_host_blocks="
                                  f"{cfg.num_host_blocks}: {e}") from e
         self.host_pool = host_pool
         try:
@@ -201,14 +204,14 @@ class Engine(EngineFront):
             raise
         self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics,
                                    draft=self.runner.draft,
-                                   prefill_chunk_size=ec.prefill_chunk_size,
-                                   max_prefill_tokens=ec.max_prefill_tokens_per_step)
+                                   prefill_chunk_size=ec.prefill.chunk_size,
+                                   max_prefill_tokens=ec.prefill.max_tokens_per_step)
         self._intake = Intake(self.scheduler, spec.vocab_size, ec)
         # Prefix caching: host copies of the index keys of published pages (`page_keys.py`);
         # all-resident: seat reuse (`StaticResidency`), the keys stay in their seat.
         page_keys = None
-        if ec.enable_prefix_caching and residency.reads_host:
-            page_keys = PageKeys(self.scheduler, self.runner, ec.block_size)
+        if ec.prefill.prefix_caching and residency.reads_host:
+            page_keys = PageKeys(self.scheduler, self.runner, ec.sizes.block_size)
         self.prefix_keys: IndexKeyStore | None = None if page_keys is None else page_keys.store
         ctx = StepContext(ec, spec, self.metrics, self._clock, self.row_bytes, page_keys)
         self._loop = (AsyncLoop if ec.async_scheduling else SyncLoop)(
@@ -220,7 +223,7 @@ class Engine(EngineFront):
         if host_pool is None:
             return None
         ec, spec = self.config, self.spec
-        want = (spec.num_layers, ec.block_size, *ec.stored_row(spec))
+        want = (spec.num_layers, ec.sizes.block_size, *ec.stored_row(spec))
         have = (host_pool.num_layers, host_pool.block_size, host_pool.row_width,
                 host_pool.dtype)
         if have != want or host_pool.closed:

@@ -100,7 +100,7 @@ class Intake:
     def _total_tokens(self, prompt: tuple[int, ...], max_new_tokens: int | None) -> int:
         """The request's most tokens (prompt + new, or max_model_len); ValueError when the
         prompt is empty or the lengths break max_model_len."""
-        L = self.config.max_model_len
+        L = self.config.sizes.max_model_len
         if not prompt:
             raise ValueError("add_request: prompt must not be empty")
         if len(prompt) >= L:

@@ -262,8 +262,8 @@ class MeshEngine(EngineFront):
 
     Usage::
 
-        engine = MeshEngine(models.init_model("tiny"), EngineConfig(max_seats=8),
-                            mesh_shape=(2, 2))
+        engine = MeshEngine(models.init_model("tiny"),
+                            EngineConfig(sizes=Sizes(max_seats=8)), mesh_shape=(2, 2))
         engine.add_request([1, 2, 3], max_new_tokens=16)
         outputs = engine.run()
 
@@ -292,10 +292,10 @@ class MeshEngine(EngineFront):
         self.mesh = mesh = _checked_mesh(mesh, mesh_shape)
         D, M = mesh.shape[DATA], mesh.shape[MODEL]
         self.num_data_shards = D
-        if config.max_seats % D:
-            raise ValueError(f"EngineConfig.max_seats={config.max_seats} must be a multiple of "
-                             f"the mesh's data axis ({D}): each data shard owns max_seats / "
-                             f"{D} seats")
+        if config.sizes.max_seats % D:
+            raise ValueError(f"EngineConfig.sizes.max_seats={config.sizes.max_seats} must be a "
+                             f"multiple of the mesh's data axis ({D}): each data shard owns "
+                             f"max_seats / {D} seats")
         procs = [{d.process_index for d in mesh.devices[i]} for i in range(D)]
         if any(len(p) > 1 for p in procs):
             raise ValueError("MeshEngine: every data shard's devices (a row of the mesh) must "
@@ -303,7 +303,8 @@ class MeshEngine(EngineFront):
                              "per process")
         self.multi_process = jax.process_count() > 1
         self.config = ec = config
-        self.shard_config = ec_local = dataclasses.replace(ec, max_seats=ec.max_seats // D)
+        self.shard_config = ec_local = dataclasses.replace(
+            ec, sizes=dataclasses.replace(ec.sizes, max_seats=ec.sizes.max_seats // D))
         self.residency = ec.residency
         self.hs_config = cfg = ec_local.hisparse_config(spec)
         ec_local.check_platform(spec, cfg)
@@ -348,7 +349,7 @@ class MeshEngine(EngineFront):
                                             layers_per_array=ec.host_layers_per_array(spec))
             except ValueError as e:
                 raise ValueError(f"MeshEngine: the host pool of data shard {d} "
-                                 f"(EngineConfig.num_host_blocks={cfg.num_host_blocks}): {e}"
+                                 f"(EngineConfig.sizes.num_host_blocks={cfg.num_host_blocks}): {e}"
                                  ) from e
             owns = True
         try:
@@ -510,16 +511,16 @@ class MeshEngine(EngineFront):
 def _check_mesh_config(config: EngineConfig) -> None:
     """ValueError for the `EngineConfig` features the mesh engine does not serve yet."""
     if config.num_speculative_tokens:
-        raise ValueError("MeshEngine: EngineConfig.num_speculative_tokens must be 0 (the "
+        raise ValueError("MeshEngine: EngineConfig.speculative.num_tokens must be 0 (the "
                          "mesh engine does not verify drafts yet; use Engine)")
-    if config.prefill_chunk_size is not None:
-        raise ValueError("MeshEngine: EngineConfig.prefill_chunk_size must be None (the "
+    if config.prefill.chunk_size is not None:
+        raise ValueError("MeshEngine: EngineConfig.prefill.chunk_size must be None (the "
                          "mesh engine prefills in one shot; use Engine)")
     if config.async_scheduling:
         raise ValueError("MeshEngine: EngineConfig.async_scheduling must be False (the "
                          "mesh engine schedules synchronously; use Engine)")
-    if config.enable_prefix_caching:
-        raise ValueError("MeshEngine: EngineConfig.enable_prefix_caching must be False (the "
+    if config.prefill.prefix_caching:
+        raise ValueError("MeshEngine: EngineConfig.prefill.prefix_caching must be False (the "
                          "mesh engine does not reuse published prefixes yet; use Engine)")
 
 

@@ -124,7 +124,7 @@ class MeshDecode:
 
         d = P(DATA)
         aux = {"hits": d, "misses": d}
-        if self.builder.config.collect_attention:
+        if self.builder.config.debug.collect_attention:
             aux["attention"] = P(None, DATA)
         mapped = _compat.shard_map(
             body, mesh=self.mesh, in_specs=(P(), d, d, d, d, d, d, d, P(), d, d, d),

@@ -146,7 +146,7 @@ def summarise(m: Metrics, clock: StepClock, *, mode: str, requests_finished: int
     reason; `kv_format` / `row_bytes`: the stored KV row (bytes moved count `row_bytes` per
     row); `host_bytes_per_request`: host pool bytes of one full-length request, every layer.
     prompt_tokens counts the prompt tokens prefills computed, prefix_hit_tokens those reused
-    from published pages (`EngineConfig.enable_prefix_caching`)."""
+    from published pages (`EngineConfig.prefill.prefix_caching`)."""
     lookups = m.hot_hits + m.hot_misses
     steps = max(m.decode_steps, 1)
     timed_steps = clock.timed_decode_steps

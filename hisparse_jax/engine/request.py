@@ -27,13 +27,13 @@ class Request:
     (EngineConfig.seed, seed, i); by default seed = index). `max_new_tokens` None: generate
     until max_model_len tokens. `finish_reason` is one of `FINISH_REASONS` once it finished;
     `error` the message when it is "error". `attention` holds per-layer attention outputs
-    per generated token when `EngineConfig.collect_attention` is set. With speculation,
+    per generated token when `EngineConfig.debug.collect_attention` is set. With speculation,
     `step_drafts` are the draft tokens its scheduled step verifies (generated tokens
     live .. live + len - 1 if right) and `drafts` the ones its last step proposed.
     `num_prefilled` counts the prompt tokens the current admission has computed and `chunk`
     those its prefill computes in the open step (the whole prompt without
-    `EngineConfig.prefill_chunk_size`); while num_prefilled < len(prompt) it is `prefilling`
-    and samples nothing. With `EngineConfig.enable_prefix_caching` an admission that hits
+    `EngineConfig.prefill.chunk_size`); while num_prefilled < len(prompt) it is `prefilling`
+    and samples nothing. With `EngineConfig.prefill.prefix_caching` an admission that hits
     published pages starts with num_prefilled = num_cached (those tokens are reused).
     """
 

@@ -194,7 +194,7 @@ class Runner:
         # The jitted steps, built once per variant: {"decode_fast", "decode_hot", "prefill" or
         # "prefill_chunk", ...}.
         self.jitted: dict[str, Callable[..., Any]] = self.builder.build(residency)
-        if ec.enable_prefix_caching:
+        if ec.prefill.prefix_caching:
             self._key_pages = min(256, -(-cfg.max_model_len // cfg.block_size))
             self._read_page_keys, self._write_page_keys = self.builder.jit_page_keys()
 
@@ -355,8 +355,8 @@ class Runner:
 
     def prefill_length(self, num_tokens: int) -> int:
         """The padded length T of a prompt of `num_tokens` tokens: a multiple of
-        `prefill_bucket`, at most max_model_len (one compiled prefill per T)."""
-        return min(round_up(num_tokens, self.config.prefill_bucket), self.cfg.max_model_len)
+        `EngineConfig.prefill.bucket`, at most max_model_len (one compiled prefill per T)."""
+        return min(round_up(num_tokens, self.config.prefill.bucket), self.cfg.max_model_len)
 
     def prefill(self, req: Request, res_blocks: np.ndarray
                 ) -> tuple[int, np.ndarray | None, float, Hashable, bool]:
@@ -452,7 +452,7 @@ class Runner:
                             np.float32(temperature))),
                 state.sample_key, *state.put((np.int32(_int32_bits(seed)),
                                               np.int32(token_index)))]
-        if self.config.synthetic_prefill:
+        if self.config.prefill.synthetic:
             args.append(np.int32(request_index))
         token, cache, aux = self.jitted["prefill"](*args)
         state.cache = cache

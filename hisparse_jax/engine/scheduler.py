@@ -10,10 +10,10 @@ the transfer worker's reports):
      of device blocks stays free after the admission (`manager.hot_blocks`; 0 when the
      manager has no hot regions); when it would not, the manager is asked to make room
      (`request_room`) and admission stops for this pass. A request is admitted with its
-     whole prompt, or with its first chunk under `EngineConfig.prefill_chunk_size` (chunks
-     of at most that many tokens, within the step's `max_prefill_tokens_per_step`: requests
+     whole prompt, or with its first chunk under `EngineConfig.prefill.chunk_size` (chunks
+     of at most that many tokens, within the step's `prefill.max_tokens_per_step`: requests
      already prefilling first, then admissions in queue order; a request samples its first
-     token after its last chunk). With prefix caching (`EngineConfig.enable_prefix_caching`)
+     token after its last chunk). With prefix caching (`EngineConfig.prefill.prefix_caching`)
      the prompt tokens the manager reuses from published pages are not scheduled: the
      request starts with `num_prefilled = num_cached`;
   4. when nothing can run: wait for copies in flight, or preempt the most recently admitted

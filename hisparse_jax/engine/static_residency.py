@@ -12,7 +12,7 @@ API the scheduler and the runner call, with a fixed layout and nothing to move:
     resident (`all_pages_resident` is always True, so every decode step is `AllResident`);
   * a request waits only for a free state row.
 
-Seat reuse (`reuse_seats`, the all-resident mode of `EngineConfig.enable_prefix_caching`): a
+Seat reuse (`reuse_seats`, the all-resident mode of `EngineConfig.prefill.prefix_caching`): a
 state row freed by a request that FINISHED keeps the token ids of its written rows (its
 prompt and generated tokens, less the last sampled one, which no step wrote). A later prompt
 that starts with them reuses that row: `cached_tokens` / `admit` count the kept rows that
@@ -67,7 +67,7 @@ class StaticResidency:
     Args:
       cfg: sizes (block_size, max_num_reqs, max_model_len, hot_blocks: the hot table width).
       reuse_seats: keep a finished request's rows in its free state row for a later prompt
-        that extends them (module docstring; `enable_prefix_caching`).
+        that extends them (module docstring; `EngineConfig.prefill.prefix_caching`).
     """
 
     hot_blocks = 0  # no hot regions: admission keeps no room for one

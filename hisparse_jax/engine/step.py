@@ -112,7 +112,7 @@ def execute(ctx: StepContext, parts: Sequence[StepPart], dispatch: Callable[[], 
 
 def prefill(ctx: StepContext, req: Request, part: StepPart) -> None:
     """Prefills admitted request `req` (its prompt, or its next `chunk` of prompt tokens with
-    `EngineConfig.prefill_chunk_size`) with `part`'s manager and runner; it samples its
+    `EngineConfig.prefill.chunk_size`) with `part`'s manager and runner; it samples its
     first token after its last chunk. A failure fails `req` alone (PrefillLostDevice when it
     took the device arrays with it)."""
     scheduler, runner, config = part.scheduler, part.runner, ctx.config
@@ -122,7 +122,7 @@ def prefill(ctx: StepContext, req: Request, part: StepPart) -> None:
         blocks = np.asarray(view.resident_blocks, np.int64)
         if first and req.num_cached and ctx.prefix is not None:
             ctx.prefix.load(req, runner)  # (a reused seat has its keys in place)
-        if config.prefill_chunk_size is None and not req.num_prefilled:
+        if config.prefill.chunk_size is None and not req.num_prefilled:
             out = runner.prefill(req, blocks)
         else:  # a chunk, or the rest of a prompt after its prefix hit
             # Staging: host-only hit pages are read by staging the rows a chunk selects.
@@ -178,7 +178,7 @@ def collect(ctx: StepContext, part: StepPart, pending: PendingDecode, *,
     if ctx.prefix is not None:
         # Before the tokens are recorded: a request that finishes now may publish its last
         # pages after its seat is reused (this step wrote position prompt + live - 1).
-        B = ctx.config.block_size
+        B = ctx.config.sizes.block_size
         for req in reqs:
             if (len(req.prompt) + req.live) // B > req.key_pages:
                 ctx.prefix.stage(req, len(req.prompt) + req.live, runner)

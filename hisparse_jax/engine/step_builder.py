@@ -11,14 +11,14 @@ here: the runner (`runner.py`) holds the arrays and calls these functions.
   * The prefill ("prefill") is one jit per padded prompt length: the model's `prefill` over
     the prompt, or the synthetic prefill (deterministic random KV rows, a function of
     request, layer and position, written straight into the caches; the first generated
-    token is the prompt's last token). With `EngineConfig.prefill_chunk_size` it is
+    token is the prompt's last token). With `EngineConfig.prefill.chunk_size` it is
     "prefill_chunk" instead, one jit per padded chunk length: the model's `prefill_chunk`
     over one chunk of a prompt, the earlier chunks' rows read through the request's resident
-    pages. With `enable_prefix_caching` there is "prefill_chunk" besides "prefill" (the rest
+    pages. With `prefill.prefix_caching` there is "prefill_chunk" besides "prefill" (the rest
     of a prompt after its prefix hit), and jitted copies of a batch of pages' per-seat
-    arrays out of and into a seat (`jit_page_keys`). With `prefix_hit_pages="stage"` there is
-    "prefill_chunk_staged" too: the chunk prefill of a request with host-only earlier pages,
-    which also takes the host block-table row and the host pools.
+    arrays out of and into a seat (`jit_page_keys`). With `prefill.prefix_hit_pages="stage"`
+    there is "prefill_chunk_staged" too: the chunk prefill of a request with host-only
+    earlier pages, which also takes the host block-table row and the host pools.
   * Sampling draws with per-request keys (`hisparse_jax.engine.sampler.token_keys`): the
     steps take the engine's base key, each row's sampling seed and the index of the token it
     samples.
@@ -114,21 +114,21 @@ class StepBuilder:
         ec = self.config
         jitted = {variant_name(v): self.jit_decode(variant_name(v))
                   for v in dict.fromkeys([AllResident(), residency])}
-        if ec.prefill_chunk_size is not None or ec.enable_prefix_caching:
+        if ec.prefill.chunk_size is not None or ec.prefill.prefix_caching:
             # With prefix caching a one-shot engine prefills the rest of a hit prompt as one
             # chunk from its first uncached position.
             jitted["prefill_chunk"] = self.jit_prefill_chunk()
         if ec.stages_prefix_hits:
             # A chunk of a request with host-only earlier pages stages the rows it selects.
             jitted["prefill_chunk_staged"] = self.jit_prefill_chunk(staged=True)
-        if ec.prefill_chunk_size is None:
-            jitted["prefill"] = (self.jit_synthetic_prefill() if ec.synthetic_prefill
+        if ec.prefill.chunk_size is None:
+            jitted["prefill"] = (self.jit_synthetic_prefill() if ec.prefill.synthetic
                                  else self.jit_prefill())
         return jitted
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         """`fn` counting its traces in `trace_counts[name]` (and, with
-        `EngineConfig.max_traces`, failing past that many: chex)."""
+        `EngineConfig.debug.max_traces`, failing past that many: chex)."""
         counts = self.trace_counts
 
         @functools.wraps(fn)
@@ -138,10 +138,10 @@ class StepBuilder:
 
         traced.__name__ = traced.__qualname__ = name  # chex tells the variants apart by name
 
-        if self.config.max_traces is not None:
+        if self.config.debug.max_traces is not None:
             import chex
 
-            traced = chex.assert_max_traces(traced, n=self.config.max_traces)
+            traced = chex.assert_max_traces(traced, n=self.config.debug.max_traces)
         return traced
 
     def placed_outputs(self) -> dict[str, Any]:
@@ -236,8 +236,8 @@ class StepBuilder:
                     else source.select(topk_state, state_rows, positions, steps))
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
             logits, cache, aux = model.decode(
-                cache, DecodeBatch(tokens, kv, topk), attention_backend=ec.attention_backend,
-                collect_attention=ec.collect_attention)
+                cache, DecodeBatch(tokens, kv, topk), attention_backend=ec.tuning.attention_backend,
+                collect_attention=ec.debug.collect_attention)
             return model, logits, cache, aux
 
         return forward
@@ -304,7 +304,8 @@ class StepBuilder:
             model = nnx.merge(graphdef, params)
             logits, cache, aux = model.prefill(
                 cache, tokens, length, state_row, write_rows,
-                attention_backend=ec.attention_backend, collect_attention=ec.collect_attention)
+                attention_backend=ec.tuning.attention_backend,
+                collect_attention=ec.debug.collect_attention)
             return sample(logits[None], temperature[None], keys)[0], cache, aux
 
         return jax.jit(self.wrap(prefill, "prefill"), donate_argnames=("cache",),
@@ -321,8 +322,8 @@ class StepBuilder:
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
             logits, cache, aux = model.prefill_chunk(
                 cache, tokens, start, length, state_row, pages, host_pages=host_pages,
-                host_pools=tuple(host_pools), attention_backend=ec.attention_backend,
-                collect_attention=ec.collect_attention)
+                host_pools=tuple(host_pools), attention_backend=ec.tuning.attention_backend,
+                collect_attention=ec.debug.collect_attention)
             return sample(logits[None], temperature[None], keys)[0], cache, aux
 
         name = "prefill_chunk_staged" if staged else "prefill_chunk"

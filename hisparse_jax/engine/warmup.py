@@ -9,7 +9,7 @@ see (call it while no request is admitted):
     nothing);
   * the prefill at every padded length `prefill_length(n)`, n = 1 .. max_model_len - 1 (a
     prompt is shorter than max_model_len; a preempted request prefills its prompt again):
-    writes to no row (-1) and per-seat row S (dropped); with `prefill_chunk_size` C, the
+    writes to no row (-1) and per-seat row S (dropped); with `prefill.chunk_size` C, the
     chunk prefill at every `prefill_length(n)`, n = 1 .. min(C, max_model_len - 1), with a
     block-table row of null blocks (writes nothing);
   * the top-k source's `admit` (seat 0, a free seat: the next admission rewrites it);
@@ -20,11 +20,11 @@ see (call it while no request is admitted):
   * the transfer worker's spill copies (`mirror_group_fn`, else `mirror_fn`) of every
     row-list bucket up to `max_spill_pages` pages per plan (the coordinator's spill budget),
     every row -1 (skipped), into every layer's pool. Restores are planned only with prefix
-    caching (`EngineConfig.enable_prefix_caching`); with it, the restore copies
+    caching (`EngineConfig.prefill.prefix_caching`); with it, the restore copies
     (`restore_fn`) of every row-list bucket up to every device block's rows, every row -1,
     the chunk prefill at every length a hit's rest can take (up to max_model_len - 1 without
-    prefill_chunk_size) and the page copies of the per-seat arrays (read and written back
-    unchanged at seat 0) are compiled too; with prefix_hit_pages "stage", the staged chunk
+    prefill.chunk_size) and the page copies of the per-seat arrays (read and written back
+    unchanged at seat 0) are compiled too; with prefill.prefix_hit_pages "stage", the staged chunk
     prefill ("prefill_chunk_staged") at the chunk prefill's lengths, with null host pages
     (it stages nothing).
 """
@@ -86,7 +86,7 @@ def warm(runner: Any, *, max_spill_pages: int, decode: bool = True) -> list[Hash
     kinds = [kind for kind in PREFILL_KINDS if kind in runner.jitted]
     for kind in kinds:
         warmed[kind] = _warm_prefills(runner, kind)
-    if runner.config.enable_prefix_caching:  # a page's per-seat values, out and in
+    if runner.config.prefill.prefix_caching:  # a page's per-seat values, out and in
         keys = runner.read_page_keys(0, [0])
         runner.write_page_keys(0, [(0, keys[0])])  # seat 0 is free: its rows unchanged
     if runner.topk_source is not None:
@@ -102,7 +102,7 @@ def warm(runner: Any, *, max_spill_pages: int, decode: bool = True) -> list[Hash
         warmed["invalidation_widths"] = _pow2_sizes(invalidation_width(1),
                                                     invalidation_width(cfg.max_pages))
         warmed["spill_rows"] = _warm_spills(runner, max_spill_pages)
-        if runner.config.enable_prefix_caching:
+        if runner.config.prefill.prefix_caching:
             warmed["restore_rows"] = _warm_restores(runner)
     jax.block_until_ready(runner.state.arrays())
     runner.warmed = dict(warmed)
@@ -112,7 +112,7 @@ def warm(runner: Any, *, max_spill_pages: int, decode: bool = True) -> list[Hash
 def _warm_prefills(runner: Any, kind: str) -> list[int]:
     """The prefill variant `kind` at every padded length it can take; returns them."""
     cfg, S = runner.cfg, runner.cfg.max_num_reqs
-    chunk = runner.config.prefill_chunk_size
+    chunk = runner.config.prefill.chunk_size
     longest = (cfg.max_model_len - 1 if kind == "prefill" or chunk is None
                else min(chunk, cfg.max_model_len - 1))
     lengths = sorted({runner.prefill_length(n) for n in range(1, longest + 1)})

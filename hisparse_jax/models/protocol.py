@@ -37,7 +37,7 @@ passed through from `EngineConfig`; `aux` is a dict of arrays):
     `state_row` whose resident block-table row is pages int32[P] (every page up to the last
     real position resident; earlier chunks' rows are read through it). logits as prefill.
     With host_pages int32[P] (the host block-table row) and host_pools (the pinned pool's
-    arrays), pages before the chunk may be host-only (`EngineConfig.prefix_hit_pages`
+    arrays), pages before the chunk may be host-only (`EngineConfig.prefill.prefix_hit_pages`
     "stage"); aux must then hold "staged_rows_host" / "staged_rows_device" (int32 scalars).
     A model that cannot stage raises ValueError when given host_pages.
   * `decode(cache, batch)`: one token per batch row, batch a `DecodeBatch` (tokens

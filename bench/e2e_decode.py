@@ -61,7 +61,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
-from hisparse_jax import models as nn  # noqa: E402
+from hisparse_jax import models  # noqa: E402
 from hisparse_jax.engine import (  # noqa: E402
     AllResident,
     Engine,
@@ -93,7 +93,7 @@ class CompileCounter:
             self.count += 1
 
 
-def plan_sizes(args: argparse.Namespace, cfg: nn.ModelConfig) -> dict[str, int]:
+def plan_sizes(args: argparse.Namespace, cfg: models.ModelConfig) -> dict[str, int]:
     B = args.block_size
     max_model_len = args.context + args.gen_budget
     pages = cdiv(max_model_len, B)
@@ -111,7 +111,7 @@ class Skip(Exception):
     """A run that cannot reach its steady state (recorded, not fatal)."""
 
 
-def make_engine(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
+def make_engine(model: models.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
                 mode: str, concurrency: int, source: Any, pool: Any,
                 kv_format: str = kvf.BF16, build: Any = None, shards: int = 1,
                 extra: dict[str, Any] | None = None) -> Engine:
@@ -268,7 +268,7 @@ class Window:
         }
 
 
-def run_group(model: nn.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
+def run_group(model: models.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
               modes: list[str], concurrency: int, turnover: float, pool: Any,
               counter: CompileCounter, kv_format: str = kvf.BF16,
               extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -488,8 +488,8 @@ def add_copy_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS),
-                   help="model config (hisparse_jax.nn.CONFIGS), randomly initialised")
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS),
+                   help="model config (hisparse_jax.models.CONFIGS), randomly initialised")
     p.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
     p.add_argument("--gen-budget", type=int, default=1024,
                    help="room for generated tokens (max_model_len = context + this)")
@@ -569,11 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("num_layers", args.num_layers),
                                    ("index_group_size", args.index_group_size)) if v is not None}
     try:
-        cfg = nn.get_config(args.config, **overrides)
+        cfg = models.get_config(args.config, **overrides)
     except ValueError as e:
         raise SystemExit(f"--num-layers / --index-group-size: {e}") from None
     sizes = plan_sizes(args, cfg)
-    model = nn.init_model(cfg, seed=0)
+    model = models.init_model(cfg, seed=0)
     counter = CompileCounter()
     name = "e2e_decode"
     formats = args.kv_format

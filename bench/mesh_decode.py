@@ -30,7 +30,7 @@ import jax
 
 from bench import e2e_decode
 from bench._common import HelpFormatter
-from hisparse_jax import models as nn
+from hisparse_jax import models
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.topk_sources import DriftTopK
 
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--mesh", default="2x1", help="data x model (data * model = devices)")
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS),
-                   help="model config (hisparse_jax.nn.CONFIGS), randomly initialised")
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS),
+                   help="model config (hisparse_jax.models.CONFIGS), randomly initialised")
     p.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
     p.add_argument("--gen-budget", type=int, default=1024,
                    help="room for generated tokens (max_model_len = context + this)")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if D * M != len(jax.devices()):
         p.error(f"--mesh {args.mesh} needs {D * M} devices, there are {len(jax.devices())}")
     args.concurrency = [args.concurrency]  # e2e_decode.plan_sizes reads a list
-    model = nn.init_model(args.config, seed=0)
+    model = models.init_model(args.config, seed=0)
     sizes = e2e_decode.plan_sizes(args, model.cfg)
     C = args.concurrency[0]
     counter = e2e_decode.CompileCounter()

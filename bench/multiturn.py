@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import RESULTS_DIR, write_result
-from hisparse_jax import models as nn
+from hisparse_jax import models
 from hisparse_jax.engine import AllResident, Engine, EngineConfig, HiSparse, PrefillPolicy, Sizes
 from host_tier.sizes import cdiv
 
@@ -101,7 +101,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def run_mode(model: nn.Transformer, args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def run_mode(model: models.Transformer, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Every turn of every conversation in one engine of `mode`."""
     engine = Engine(model, engine_config(args, mode))
     try:
@@ -239,7 +239,7 @@ def plot(path_json: Path, path_png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS))
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--first-prompt", type=int, default=49152, help="tokens of turn 0's prompt")
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     budget, resident_seats = gpu_budget(args)
-    cfg = nn.get_config(args.config)
-    model = nn.init_model(cfg, seed=0)
+    cfg = models.get_config(args.config)
+    model = models.init_model(cfg, seed=0)
     out_json = (Path(args.output) if args.output
                 else RESULTS_DIR / f"multiturn-{jax.default_backend()}.json")
     config = {"model": cfg.name, "conversations": args.conversations, "turns": args.turns,

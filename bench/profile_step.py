@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 
 from bench import e2e_decode as e2e  # noqa: E402
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
-from hisparse_jax import models as nn  # noqa: E402
+from hisparse_jax import models  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
 from pallas_kernels import kv_format as kvf  # noqa: E402
@@ -313,7 +313,7 @@ class PhaseTimer:
                 "tail": self.tail(), "per_step": self.per_step}
 
 
-def isolated_floors(engine: Any, pool: HostPool | None, cfg: nn.ModelConfig,
+def isolated_floors(engine: Any, pool: HostPool | None, cfg: models.ModelConfig,
                     rows_from_host_per_step: float, *, reps: int) -> dict[str, Any]:
     """Device time of the step's two largest parts, each run alone at the step's shapes in
     this process (wall time of `reps` calls chained in one jit): sparse MLA attention over
@@ -426,7 +426,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS))
     p.add_argument("--mode", default="hisparse", choices=e2e.MODES)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--budget-concurrency", type=int, default=None,
@@ -462,11 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_steps < 0:
         raise SystemExit("--profile-steps must be >= 0")
 
-    cfg = nn.get_config(args.config)
+    cfg = models.get_config(args.config)
     sizing = argparse.Namespace(**vars(args))
     sizing.concurrency = [args.budget_concurrency or args.concurrency]
     sizes = e2e.plan_sizes(sizing, cfg)
-    model = nn.init_model(cfg, seed=0)
+    model = models.init_model(cfg, seed=0)
     pool = None
     if args.mode != "all-resident":
         pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,

@@ -49,7 +49,7 @@ from bench.e2e_decode import (
     plan_sizes,
     run_group,
 )
-from hisparse_jax import models as nn
+from hisparse_jax import models
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
 from hisparse_jax.engine import Speculative
@@ -100,7 +100,7 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(nn.CONFIGS))
+    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS))
     p.add_argument("--context", type=int, default=65536)
     p.add_argument("--gen-budget", type=int, default=1024)
     p.add_argument("--concurrency", type=_ints, default=[1, 256])
@@ -121,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.trace = None  # run_group's top-k: the drift model
     t_start = time.perf_counter()
-    cfg = nn.get_config(args.config)
+    cfg = models.get_config(args.config)
     k_max = max(args.k)
     # The budget holds the largest k's default hot regions; every engine uses its own default.
     planning = copy.copy(args)
     planning.hot_size = HiSparseConfig.default_hot_size(cfg.top_k, args.block_size, k_max)
     sizes = plan_sizes(planning, cfg)
     args.hot_size = None
-    model = nn.init_model(cfg, seed=0)
+    model = models.init_model(cfg, seed=0)
     counter = CompileCounter()
     out_json = (Path(args.output) if args.output
                 else RESULTS_DIR / f"speculative-{jax.default_backend()}.json")

@@ -33,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from hisparse_jax import models as nn
+from hisparse_jax import models
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.draft_sources import AcceptanceRateDraft
 from hisparse_jax.engine import (
@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="decode.py", usage="%(prog)s [options]",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(nn.CONFIGS),
-                   help="model config (hisparse_jax.nn.CONFIGS): tiny and tiny576 run on the "
+    p.add_argument("--config", default="tiny", choices=sorted(models.CONFIGS),
+                   help="model config (hisparse_jax.models.CONFIGS): tiny and tiny576 run on the "
                         "CPU; dsv32-2l has DeepSeek-V3.2's attention dimensions (2 layers)")
     p.add_argument("--requests", type=positive_int, default=6,
                    help="requests to decode (random prompts drawn from --seed)")
@@ -297,10 +297,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     "--check")
     if args.check_chunked and (args.prefill_chunk_size is None or not args.check):
         p.error("--check-chunked needs --check and --prefill-chunk-size")
-    model = nn.CONFIGS[args.config]
+    model = models.CONFIGS[args.config]
     if args.kv_format == kvf.FP8_DS_MLA and (model.kv_lora_rank, model.rope_dim) != (
             kvf.LATENT_DIM, kvf.ROPE_DIM):
-        fits = sorted(n for n, c in nn.CONFIGS.items()
+        fits = sorted(n for n, c in models.CONFIGS.items()
                       if (c.kv_lora_rank, c.rope_dim) == (kvf.LATENT_DIM, kvf.ROPE_DIM))
         p.error(f"--kv-format {args.kv_format} stores rows of {kvf.LATENT_DIM} latent + "
                 f"{kvf.ROPE_DIM} rope values; --config {args.config} has "
@@ -355,7 +355,7 @@ def device_memory() -> tuple[int, str]:
     return available_ram_bytes(), "of RAM available (the CPU device's memory)"
 
 
-def check_pools(args: argparse.Namespace, cfg: nn.ModelConfig, ec: EngineConfig) -> None:
+def check_pools(args: argparse.Namespace, cfg: models.ModelConfig, ec: EngineConfig) -> None:
     """The engine's rules on the pool sizes of `ec`, before any model or engine is built
     (ValueError naming the setting, as the engine would raise): the device KV caches fit the
     device's memory; the host pool fits 95% of the available RAM; the host tier accepts the
@@ -396,7 +396,7 @@ def check_pools(args: argparse.Namespace, cfg: nn.ModelConfig, ec: EngineConfig)
 # ------------------------------------------------------------------ engine
 
 
-def model_config(args: argparse.Namespace) -> nn.ModelConfig:
+def model_config(args: argparse.Namespace) -> models.ModelConfig:
     """The model's config; with speculation (MTP drafts) it also has an MTP module (the main
     model's parameters do not change with it)."""
     overrides = {} if args.top_k is None else {"top_k": args.top_k}
@@ -404,10 +404,10 @@ def model_config(args: argparse.Namespace) -> nn.ModelConfig:
         overrides["index_group_size"] = args.index_group_size
     if args.speculative_tokens and args.acceptance_rate is None:
         overrides["mtp_layers"] = 1
-    return nn.get_config(args.config, **overrides)
+    return models.get_config(args.config, **overrides)
 
 
-def engine_config(args: argparse.Namespace, cfg: nn.ModelConfig, *,
+def engine_config(args: argparse.Namespace, cfg: models.ModelConfig, *,
                   all_resident: bool, reference: bool = False) -> EngineConfig:
     """The EngineConfig of one mode (sizes derived from the flags; builds nothing);
     `reference`: the --check engine, which prefills in one shot (and schedules
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             p.error(refusal(e, "the engine refused this configuration"))
 
-    model = nn.init_model(cfg, seed=args.seed)
+    model = models.init_model(cfg, seed=args.seed)
     engines: list[Engine] = []
     try:
         for ec in configs:

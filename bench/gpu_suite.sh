@@ -132,11 +132,12 @@ run_step() {  # name, time limit in s, command...
         done ;;
       # A restructuring's check, in one call: the decode example's --check (bf16 and fp8 rows)
       # for the code in .baseline/ (when present) and for this tree, their tokens compared
-      # across the trees, then HOUSE_PAIRS rounds of a HiSparse / all-resident e2e pair at 1
-      # and 256 requests (asynchronous scheduling), before and after alternating.
+      # across the trees (HOUSE_FORMATS, "" for none), then HOUSE_PAIRS rounds of a HiSparse /
+      # all-resident e2e pair at 1 and 256 requests (asynchronous scheduling), before and after
+      # alternating.
       house_ab)
         dec=(examples/decode.py --config dsv32-2l --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check)
-        for fmt in bf16 fp8_ds_mla; do
+        for fmt in ${HOUSE_FORMATS-bf16 fp8_ds_mla}; do
           if [ -d .baseline ]; then
             run_step "decode_${fmt}_before" 150 bash -c "cd .baseline && PYTHONPATH=. python3 ${dec[*]} --kv-format $fmt --json $OUT/decode-$fmt-before.json"
           fi

@@ -6,16 +6,27 @@ from __future__ import annotations
 
 import json
 
-from tests.bench_runs import refusal, run_small
+import pytest
+
+from tests.bench_runs import refusal, run_small_many
+
+DEFAULT_RULE = ("--ns", "1,3", "--heads", "16")
+XLA_COMBINE = ("--ns", "2", "--heads", "16", "--splits", "1,2", "--xla-combine")
 
 
-def _run(*args: str):
-    return run_small("bench.attention_splits", *args)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both tests' command lines in one subprocess (one python and jax start-up, not two):
+    {name: (the run, its output file)}."""
+    tmp = tmp_path_factory.mktemp("attention_splits")
+    lines = {"default_rule": (*DEFAULT_RULE, "--output", str(tmp / "default_rule.json")),
+             "xla_combine": (*XLA_COMBINE, "--output", str(tmp / "xla_combine.json"))}
+    done = run_small_many("bench.attention_splits", lines.values())
+    return {name: (done[args], tmp / f"{name}.json") for name, args in lines.items()}
 
 
-def test_every_split_count_is_timed_beside_the_default_and_checked(tmp_path):
-    out = tmp_path / "as.json"
-    proc = _run("--ns", "1,3", "--heads", "16", "--output", str(out))
+def test_every_split_count_is_timed_beside_the_default_and_checked(runs):
+    proc, out = runs["default_rule"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(out.read_text())
     counts = record["split_counts"]
@@ -35,10 +46,8 @@ def test_every_split_count_is_timed_beside_the_default_and_checked(tmp_path):
             assert f["selected_bytes"] == n * record["top_k"] * 1152
 
 
-def test_xla_combine_times_each_setting_both_ways(tmp_path):
-    out = tmp_path / "as.json"
-    proc = _run("--ns", "2", "--heads", "16", "--splits", "1,2", "--xla-combine",
-                "--output", str(out))
+def test_xla_combine_times_each_setting_both_ways(runs):
+    proc, out = runs["xla_combine"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     figs = json.loads(out.read_text())["figures"]
     default = figs[0]["splits"]

@@ -112,11 +112,14 @@ def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
 def test_e2e_benchmark_counts_every_token_it_times(tmp_path, async_scheduling):
     # Each measured step emits one token per running request; with async scheduling a block's
     # last step is collected (drained) inside the window, so the count is the same.
+    # The sizes are the first test's (gen budget 128, at most 6 requests: the same block
+    # budget), so the synchronous engines' programs are that test's, read back from the
+    # suite's compilation cache; the steps here need far less than either budget.
     from bench import e2e_decode
 
     out = tmp_path / "e2e.json"
     rc = e2e_decode.main([
-        "--config", "tiny", "--context", "256", "--gen-budget", "64", "--block-size", "16",
+        "--config", "tiny", "--context", "256", "--gen-budget", "128", "--block-size", "16",
         "--concurrency", "6", "--modes", "hisparse,all-resident", "--turnover-sweep", "",
         "--warmup-steps", "2", "--measure-steps", "8", "--rounds", "2", "--output", str(out),
         "--no-plot", *(["--async-scheduling"] if async_scheduling else [])])

@@ -6,26 +6,29 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench_runs import refusal, run_small
+from tests.bench_runs import refusal, run_small_many
+
+RUNS = [("attention", "--n", "2", "--h", "16"),
+        ("attention", "--n", "1", "--h", "16", "--tuning", "bk32_s3"),
+        ("attention", "--n", "1", "--h", "16", "--splits", "2"),
+        ("attention", "--n", "2", "--h", "16", "--kv-format", "fp8_ds_mla"),
+        ("resolve", "--n", "2"),
+        ("resolve", "--n", "2", "--rule", "map"),
+        ("gather", "--rows", "256"),
+        ("gather", "--rows", "512", "--plan", "step", "--pool-gib", "0.01")]
+TOO_MANY_ROWS = ("gather", "--rows", "100000")
 
 
-def _run(*args: str):
-    return run_small("bench.ncu_kernels", *args)
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    # Every command line below in one subprocess (the sizes come from the environment's small
+    # shapes, read when the benchmark modules load): one python and jax start-up, not nine.
+    return run_small_many("bench.ncu_kernels", [*RUNS, TOO_MANY_ROWS])
 
 
-@pytest.mark.parametrize("args", [("attention", "--n", "2", "--h", "16"),
-                                  ("attention", "--n", "1", "--h", "16", "--tuning",
-                                   "bk32_s3"),
-                                  ("attention", "--n", "1", "--h", "16", "--splits", "2"),
-                                  ("attention", "--n", "2", "--h", "16", "--kv-format",
-                                   "fp8_ds_mla"),
-                                  ("resolve", "--n", "2"),
-                                  ("resolve", "--n", "2", "--rule", "map"),
-                                  ("gather", "--rows", "256"),
-                                  ("gather", "--rows", "512", "--plan", "step",
-                                   "--pool-gib", "0.01")])
-def test_each_op_runs_its_three_calls(args):
-    proc = _run(*args)
+@pytest.mark.parametrize("args", RUNS)
+def test_each_op_runs_its_three_calls(args, runs):
+    proc = runs[args]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{args[0]}: last call" in proc.stdout
 
@@ -43,8 +46,8 @@ def test_bad_arguments_are_refused_by_name(args, says, monkeypatch, capsys):
     assert says in refusal("bench.ncu_kernels", *args, monkeypatch=monkeypatch, capsys=capsys)
 
 
-def test_more_rows_than_the_pool_holds_are_refused():
+def test_more_rows_than_the_pool_holds_are_refused(runs):
     # Checked against the pool the op sizes from the environment's small shapes: a subprocess.
-    proc = _run("gather", "--rows", "100000")
+    proc = runs[TOO_MANY_ROWS]
     assert proc.returncode != 0
     assert "--rows" in proc.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,9 +77,14 @@ def assert_matches(got, want):
                           f"{out[~ok][:4]} vs {ref_out[~ok][:4]}")
 
 
+# The jnp reference jitted once: one compile per example's shapes rather than one per op of
+# it run eagerly (a dozen small compiles an example).
+_merge_splits = jax.jit(reference.merge_splits, static_argnums=(2, 3))
+
+
 def run_both(out, lse2, h_q, dtype, **kw):
     got = combine.combine_splits(out, lse2, h_q, dtype, interpret=INTERPRET, **kw)
-    return got, reference.merge_splits(out, lse2, h_q, dtype)
+    return got, _merge_splits(out, lse2, h_q, dtype)
 
 
 @settings(max_examples=20, deadline=None)

@@ -41,12 +41,12 @@ from hisparse_jax.engine import (
     Engine,
     EngineConfig,
     HiSparse,
-    NaiveOffload,
     PrefillPolicy,
     Sizes,
     Speculative,
 )
-from host_tier import CapacityError, Coordinator
+from hisparse_jax.engine.engine import host_tier_coordinator
+from host_tier import CapacityError
 from host_tier.sizes import cdiv
 from host_tier.worker.host_pool import available_ram_bytes, check_available_ram
 from pallas_kernels import kv_format as kvf
@@ -379,8 +379,7 @@ def check_pools(args: argparse.Namespace, cfg: models.ModelConfig, ec: EngineCon
         raise ValueError(f"the host pool of EngineConfig.sizes.num_host_blocks="
                          f"{hs.num_host_blocks}: {e}") from None
     try:
-        tier = Coordinator.from_config(hs, enable_prefix_caching=ec.prefill.prefix_caching,
-                                       offload_all=isinstance(ec.residency, NaiveOffload))
+        tier = host_tier_coordinator(ec, hs)
     except ValueError as e:
         raise ValueError(f"EngineConfig.sizes.num_gpu_blocks={hs.num_gpu_blocks} / "
                          f"num_host_blocks={hs.num_host_blocks} refused by the host tier: {e}"

@@ -114,6 +114,16 @@ from hisparse_jax.ops import mirror_rows, mirror_rows_group, restore_rows
 from host_tier import Coordinator, DeviceBlockTables, HostPool, TransferEngine
 
 
+def host_tier_coordinator(ec: EngineConfig, cfg: HiSparseConfig) -> Coordinator:
+    """The host tier's `Coordinator` of `ec`'s mode over the sizes `cfg` (prefix caching,
+    naive offload, resident prefix hits unless they are staged); the host tier's ValueError
+    when it refuses the sizes."""
+    prefix = ec.prefill.prefix_caching
+    return Coordinator.from_config(
+        cfg, enable_prefix_caching=prefix, offload_all=isinstance(ec.residency, NaiveOffload),
+        resident_prefix_hits=prefix and not ec.stages_prefix_hits)
+
+
 def residency_parts(cfg: HiSparseConfig, ec: EngineConfig, host_pool: Any, *,
                     who: str | None = "Engine", mirror_groups: bool = True
                     ) -> tuple[Any, Any]:
@@ -122,13 +132,10 @@ def residency_parts(cfg: HiSparseConfig, ec: EngineConfig, host_pool: Any, *,
     group spill copy with `mirror_groups`; a refusal's ValueError names `who`'s sizes
     unless who is None), else `StaticResidency` (seat reuse with prefix caching) and
     `NoTransfers`."""
-    prefix = ec.prefill.prefix_caching
     if not ec.residency.reads_host:
-        return StaticResidency(cfg, reuse_seats=prefix), NoTransfers()
+        return StaticResidency(cfg, reuse_seats=ec.prefill.prefix_caching), NoTransfers()
     try:
-        manager = Coordinator.from_config(
-            cfg, enable_prefix_caching=prefix, offload_all=isinstance(ec.residency, NaiveOffload),
-            resident_prefix_hits=prefix and not ec.stages_prefix_hits)
+        manager = host_tier_coordinator(ec, cfg)
     except ValueError as e:
         if who is None:
             raise

@@ -60,6 +60,7 @@ os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "96")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import _models as bench_models  # noqa: E402
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
 from hisparse_jax import models  # noqa: E402
 from hisparse_jax.engine import (  # noqa: E402
@@ -93,11 +94,11 @@ class CompileCounter:
             self.count += 1
 
 
-def plan_sizes(args: argparse.Namespace, cfg: models.ModelConfig) -> dict[str, int]:
+def plan_sizes(args: argparse.Namespace, spec: models.ModelSpec) -> dict[str, int]:
     B = args.block_size
     max_model_len = args.context + args.gen_budget
     pages = cdiv(max_model_len, B)
-    hot_blocks = cdiv(args.hot_size or 2 * cfg.top_k, B)
+    hot_blocks = cdiv(args.hot_size or 2 * spec.top_k, B)
     c_max = max(args.concurrency)
     # Default budget: HiSparse's C_max hot regions plus pinned tails, one prompt being admitted
     # and a tenth for the watermark; all-resident gets (budget - 1) // pages requests of it.
@@ -111,7 +112,7 @@ class Skip(Exception):
     """A run that cannot reach its steady state (recorded, not fatal)."""
 
 
-def make_engine(model: models.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
+def make_engine(model: models.ServedModel, args: argparse.Namespace, sizes: dict[str, int], *,
                 mode: str, concurrency: int, source: Any, pool: Any,
                 kv_format: str = kvf.BF16, build: Any = None, shards: int = 1,
                 extra: dict[str, Any] | None = None) -> Engine:
@@ -143,7 +144,7 @@ def make_engine(model: models.Transformer, args: argparse.Namespace, sizes: dict
     rng = np.random.default_rng(0)
     for _ in range(concurrency):
         # Token ids only matter for the last one (the first decode input): synthetic prefill.
-        prompt = [1] * (args.context - 1) + [int(rng.integers(2, model.cfg.vocab_size))]
+        prompt = [1] * (args.context - 1) + [int(rng.integers(2, model.spec.vocab_size))]
         engine.add_request(prompt, max_new_tokens=sizes["max_model_len"] - args.context)
     return engine
 
@@ -268,7 +269,7 @@ class Window:
         }
 
 
-def run_group(model: models.Transformer, args: argparse.Namespace, sizes: dict[str, int], *,
+def run_group(model: models.ServedModel, args: argparse.Namespace, sizes: dict[str, int], *,
               modes: list[str], concurrency: int, turnover: float, pool: Any,
               counter: CompileCounter, kv_format: str = kvf.BF16,
               extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -488,8 +489,10 @@ def add_copy_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS),
-                   help="model config (hisparse_jax.models.CONFIGS), randomly initialised")
+    p.add_argument("--config", default="dsv32-2l", choices=bench_models.NAMES,
+                   help="model: a synthetic config (hisparse_jax.models.CONFIGS) or a real "
+                        "architecture's slice at its real dimensions (bench/_models.py), "
+                        "randomly initialised")
     p.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
     p.add_argument("--gen-budget", type=int, default=1024,
                    help="room for generated tokens (max_model_len = context + this)")
@@ -566,24 +569,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--index-group-size must be >= 1, got {args.index_group_size}")
     if args.indexer:
         args.turnover_sweep = []  # turnover is the drift model's knob
-    overrides = {k: v for k, v in (("num_layers", args.num_layers),
-                                   ("index_group_size", args.index_group_size)) if v is not None}
     try:
-        cfg = models.get_config(args.config, **overrides)
+        model = bench_models.build(args.config, num_layers=args.num_layers,
+                                   index_group_size=args.index_group_size)
     except ValueError as e:
-        raise SystemExit(f"--num-layers / --index-group-size: {e}") from None
-    sizes = plan_sizes(args, cfg)
-    model = models.init_model(cfg, seed=0)
+        raise SystemExit(f"--config / --num-layers / --index-group-size: {e}") from None
+    spec = model.spec
+    sizes = plan_sizes(args, spec)
     counter = CompileCounter()
     name = "e2e_decode"
     formats = args.kv_format
     suffix = "" if formats == [kvf.BF16] else "-" + "+".join(formats)
     out_json = (Path(args.output) if args.output
                 else RESULTS_DIR / f"{name}-{jax.default_backend()}{suffix}.json")
-    config = {"model": cfg.name, "context": args.context, "gen_budget": args.gen_budget,
-              "block_size": args.block_size, "top_k": cfg.top_k,
-              "hot_size": args.hot_size or 2 * cfg.top_k, "turnover": args.turnover,
-              "num_layers": cfg.num_layers, "index_group_size": cfg.index_group_size,
+    config = {"model": spec.name, "context": args.context, "gen_budget": args.gen_budget,
+              "block_size": args.block_size, "top_k": spec.top_k,
+              "hot_size": args.hot_size or 2 * spec.top_k, "turnover": args.turnover,
+              "num_layers": spec.num_layers, "group_layers": list(spec.group_layers),
               "host_pool_layout": args.host_pool_layout,
               "position_map": not args.no_position_map, "copy_programs": args.copy_programs,
               "copy_with_attention": args.copy_with_attention,
@@ -595,27 +597,28 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0],
               "kv_formats": formats, "async_scheduling": args.async_scheduling, **sizes}
     results: list[dict[str, Any]] = []
-    print(f"[e2e] {cfg.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
+    print(f"[e2e] {spec.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
     # One pinned pool per row format for every host-tier engine (they run one at a time):
     # pinning and unpinning tens of GiB per run would cost more than the runs, and a pool
     # freed while the next engine runs stalls it.
     for kv_format in formats:
-        if kv_format == kvf.FP8_DS_MLA and (cfg.kv_lora_rank, cfg.rope_dim) != (
+        if kv_format == kvf.FP8_DS_MLA and (spec.kv_lora_rank, spec.rope_dim) != (
                 kvf.LATENT_DIM, kvf.ROPE_DIM):
             raise SystemExit(f"--kv-format {kv_format} needs 512 + 64 rows; --config "
-                             f"{cfg.name} has {cfg.kv_lora_rank} + {cfg.rope_dim}")
+                             f"{spec.name} has {spec.kv_lora_rank} + {spec.rope_dim}")
     for i, kv_format in enumerate(formats):
         # Each format gets an equal share of --time-budget (what one leaves, the next gets).
         format_deadline = t_start + args.time_budget * (i + 1) / len(formats)
         pool = None
         if any(m != "all-resident" for m in args.modes):
-            pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
-                            row_width=kvf.storage_width(kv_format, cfg.row_width),
-                            dtype=kvf.storage_dtype(kv_format, cfg.kv_dtype),
+            pool = HostPool(num_layers=spec.num_layers, block_size=args.block_size,
+                            row_width=kvf.storage_width(kv_format, spec.row_width),
+                            dtype=kvf.storage_dtype(kv_format, spec.kv_dtype),
                             num_blocks=1 + (max(args.concurrency) + 1)
                             * sizes["pages_per_request"],
-                            layers_per_array=(cfg.index_group_size
-                                              if args.host_pool_layout == "packed" else 1))
+                            layers_per_array=(spec.group_layers[0]
+                                              if args.host_pool_layout == "packed"
+                                              and len(set(spec.group_layers)) == 1 else 1))
             config.setdefault("host_pool_gib_by_kv_format", {})[kv_format] = pool.nbytes / 2**30
             if kv_format == formats[0]:
                 config["host_pool_gib"] = pool.nbytes / 2**30

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mesh {args.mesh} needs {D * M} devices, there are {len(jax.devices())}")
     args.concurrency = [args.concurrency]  # e2e_decode.plan_sizes reads a list
     model = models.init_model(args.config, seed=0)
-    sizes = e2e_decode.plan_sizes(args, model.cfg)
+    sizes = e2e_decode.plan_sizes(args, model.spec)
     C = args.concurrency[0]
     counter = e2e_decode.CompileCounter()
 

@@ -49,6 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import _models as bench_models  # noqa: E402
 from bench import e2e_decode as e2e  # noqa: E402
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
 from hisparse_jax import models  # noqa: E402
@@ -313,7 +314,7 @@ class PhaseTimer:
                 "tail": self.tail(), "per_step": self.per_step}
 
 
-def isolated_floors(engine: Any, pool: HostPool | None, cfg: models.ModelConfig,
+def isolated_floors(engine: Any, pool: HostPool | None, cfg: models.ModelSpec,
                     rows_from_host_per_step: float, *, reps: int) -> dict[str, Any]:
     """Device time of the step's two largest parts, each run alone at the step's shapes in
     this process (wall time of `reps` calls chained in one jit): sparse MLA attention over
@@ -426,7 +427,13 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--config", default="dsv32-2l", choices=sorted(models.CONFIGS))
+    p.add_argument("--config", default="dsv32-2l", choices=bench_models.NAMES,
+                   help="a synthetic config or a real architecture's slice (bench/_models.py)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="layers of the model (default: the config's)")
+    p.add_argument("--indexer", action="store_true",
+                   help="the model's own indexer over synthetic unit-normal index keys picks "
+                        "the top-k (default: the drift model, --turnover)")
     p.add_argument("--mode", default="hisparse", choices=e2e.MODES)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--budget-concurrency", type=int, default=None,
@@ -462,11 +469,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_steps < 0:
         raise SystemExit("--profile-steps must be >= 0")
 
-    cfg = models.get_config(args.config)
+    try:
+        model = bench_models.build(args.config, num_layers=args.num_layers)
+    except ValueError as e:
+        raise SystemExit(f"--config / --num-layers: {e}") from None
+    cfg = model.spec
     sizing = argparse.Namespace(**vars(args))
     sizing.concurrency = [args.budget_concurrency or args.concurrency]
     sizes = e2e.plan_sizes(sizing, cfg)
-    model = models.init_model(cfg, seed=0)
     pool = None
     if args.mode != "all-resident":
         pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
@@ -474,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                         num_blocks=1 + (args.concurrency + 1) * sizes["pages_per_request"])
     engine = e2e.make_engine(model, sizing, sizes, mode=args.mode,
                              concurrency=args.concurrency,
-                             source=DriftTopK(turnover=args.turnover, seed=1), pool=pool)
+                             source=(None if args.indexer
+                                     else DriftTopK(turnover=args.turnover, seed=1)),
+                             pool=pool)
     timer = None
     try:
         ramp = e2e.ramp(engine, args)
@@ -512,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "profile_step", "mode": args.mode, "concurrency": args.concurrency,
             "running": len(engine.running), "seats": engine.config.sizes.max_seats,
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
-                       "turnover": args.turnover, "prefill": "synthetic",
+                       "turnover": None if args.indexer else args.turnover,
+                       "topk_source": "indexer" if args.indexer else "drift model",
+                       "num_layers": cfg.num_layers, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling,
                        "position_map": not args.no_position_map,
                        "copy_programs": args.copy_programs,

@@ -88,7 +88,7 @@ def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
         "--rounds", "2", "--output", str(out), "--no-plot"])
     assert rc == 0
     record = json.loads(out.read_text())
-    assert record["config"]["num_layers"] == 4 and record["config"]["index_group_size"] == 2
+    assert record["config"]["num_layers"] == 4 and record["config"]["group_layers"] == [2, 2]
     assert record["config"]["host_pool_layout"] == "packed"
     assert record["config"]["topk_source"].startswith("the model's indexer")
     runs = {r["mode"]: r for r in record["results"]}

@@ -33,8 +33,17 @@ DEEPSEEK_V32: dict[str, Any] = {
                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
 }
 
+# DeepSeek-V3.2's architecture at sizes a CPU runs in seconds (smoke tests of the benchmarks).
+DEEPSEEK_V32_MINI: dict[str, Any] = dict(
+    DEEPSEEK_V32, vocab_size=512, hidden_size=64, intermediate_size=128,
+    moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=32, q_lora_rank=32,
+    qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, index_topk=16,
+    index_head_dim=32, index_n_heads=4, first_k_dense_replace=1, dtype="float32")
+
 # name -> (config.json, default layer count)
-SLICES: dict[str, tuple[dict[str, Any], int]] = {"dsv32-real": (DEEPSEEK_V32, 4)}
+SLICES: dict[str, tuple[dict[str, Any], int]] = {"dsv32-real": (DEEPSEEK_V32, 4),
+                                                 "dsv32-mini": (DEEPSEEK_V32_MINI, 2)}
 
 NAMES = sorted(models.CONFIGS) + sorted(SLICES)
 

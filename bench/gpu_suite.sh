@@ -26,7 +26,9 @@
 #        with and without, e2e pairs with it), ab_async (alternating e2e pairs at 1 and 256 for
 #        .baseline/ and this tree, async; this tree's profiles at 1 and 256; pairs at 1 request),
 #        sweep_async (the e2e benchmark's full sweep and plot with asynchronous scheduling),
-#        house_ab (decode checks and e2e pairs for .baseline/ and this tree, alternating)
+#        house_ab (decode checks and e2e pairs for .baseline/ and this tree, alternating),
+#        real_slice / profile_real (DeepSeek-V3.2's real-dimension slice: e2e pairs at 1, 64,
+#        256 requests and the step profile at 256)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -248,6 +250,12 @@ run_step() {  # name, time limit in s, command...
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
       resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows|copies_beside_attention)
         run_step "$step" 250 python3 -m bench.ops."$step" ;;
+      # DeepSeek-V3.2 at its real dimensions, first REAL_LAYERS layers (3 dense + 1 MoE by default),
+      # random bf16 weights, its own indexer and MoE, 64K-token contexts (synthetic prefill):
+      # HiSparse / all-resident at 1, 64, 256 requests, asynchronous scheduling; then the step
+      # profile at 256 (profile_real).
+      real_slice) run_step real_slice "${REAL_LIMIT:-560}" python3 -m bench.e2e_decode --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --context "${REAL_CONTEXT:-65536}" --concurrency "${REAL_CONCURRENCY:-1,64,256}" --modes hisparse,all-resident --warmup-steps 4 --measure-steps 16 --rounds 2 --time-budget "${REAL_BUDGET:-480}" --output "bench/results/e2e_decode-dsv32-real-gpu.json" --no-plot ;;
+      profile_real) run_step profile_real "${PROFILE_REAL_LIMIT:-400}" python3 -m bench.profile_step --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --context "${REAL_CONTEXT:-65536}" --concurrency 256 --steps 16 --profile-steps 4 --output "bench/results/profile_step-dsv32-real-c256-gpu.json" ;;
       *) echo "unknown step $step" ;;
     esac
   done

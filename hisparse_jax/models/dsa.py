@@ -21,7 +21,7 @@ from flax import nnx
 
 from hisparse_jax.models.decoder import SparseDecoder
 from hisparse_jax.models.dsa_config import DSAConfig
-from hisparse_jax.models.dsa_layers import DSABlock, DSAMTP
+from hisparse_jax.models.dsa_layers import DSAMTP, DSABlock
 from hisparse_jax.models.protocol import ModelSpec
 from hisparse_jax.models.synthetic_layers import RMSNorm, as_dtype, linear
 

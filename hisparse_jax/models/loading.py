@@ -28,8 +28,11 @@ from hisparse_jax.models.dsa import DSAModel
 from hisparse_jax.models.dsa_config import DSAConfig
 from hisparse_jax.models.protocol import DecodeCache
 
-# Rows per page of the cache `score` builds (any size serves: the sequence is all resident).
+# Rows per page of the cache `score` builds (any size serves: the sequence is all resident),
+# and the multiple its sequences are padded to (one compiled pass serves every length up to
+# it: row t's logits never read a later row).
 _SCORE_BLOCK = 16
+_SCORE_BUCKET = 64
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any = None
@@ -39,18 +42,19 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any
 
     dtype: the compute and parameter dtype (default: float32 when config.json's dtype is
     float32, else bfloat16; `DSAConfig.from_hf`); kv_dtype: the dtype of KV rows, attention
-    queries and index keys (default: dtype). Parameters the model keeps in float32 (the MoE
-    router and its bias, the indexer's head weights) are read in float32 whatever dtype is.
+    queries and index keys (default: dtype). Each tensor is read in its parameter's dtype
+    (float32 for the MoE router and its bias and the indexer's head weights, whatever dtype
+    is).
 
     Raises:
       ValueError: the folder is not a checkpoint (naming what is missing), its model_type is
-        not a supported one (naming the supported ones), or a tensor the config implies is
-        missing or of another shape (naming it).
+        not a supported one (naming the supported ones), or its tensors are not the config's
+        (a missing, unexpected or mis-shaped tensor, named: `dsa_weights.check_names`).
     """
     with open_checkpoint(path) as ckpt:
         cfg = DSAConfig.from_hf(ckpt.config, dtype=dtype, kv_dtype=kv_dtype)
         model = nnx.eval_shape(lambda: DSAModel(cfg, rngs=nnx.Rngs(0)))
-        dsa_weights.load_into(model, lambda name: ckpt.read(name, np.float32))
+        dsa_weights.load_into(model, ckpt.read, names=ckpt.names())
     _check_filled(model)
     return model
 
@@ -58,9 +62,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any
 def _check_filled(model: nnx.Module) -> None:
     """ValueError naming the parameters the loading left abstract (none after a complete
     `load_into`)."""
-    state = nnx.state(model, nnx.Param)
-    empty = [".".join(map(str, path)) for path, leaf in nnx.to_flat_state(state)
-             if not isinstance(leaf.value if hasattr(leaf, "value") else leaf, jax.Array)]
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    empty = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path
+                      if not isinstance(k, jax.tree_util.GetAttrKey))
+             for path, leaf in leaves if not isinstance(leaf, jax.Array)]
     if empty:
         raise ValueError(f"from_pretrained: the checkpoint left {len(empty)} parameters "
                          f"unassigned, e.g. {empty[:3]}")
@@ -69,8 +74,13 @@ def _check_filled(model: nnx.Module) -> None:
 def score(model: DSAModel, token_ids: Any) -> np.ndarray:
     """float32[T, V]: the next-token logits at every position of token_ids int[T] (T >= 1,
     ids in [0, V)), computed by the model's prefill path (`prefill_every_position`) over a
-    fresh all-resident KV cache sized for the sequence (the logits of row t depend on
-    tokens 0..t only, as in the engine's prefill and a causal forward)."""
+    fresh all-resident KV cache sized for the sequence padded to a multiple of 64 tokens
+    (the logits of row t depend on tokens 0..t only, as in the engine's prefill and a causal
+    forward, so the padding changes none).
+
+    Raises:
+      ValueError: token_ids is not a non-empty 1-D int sequence of ids in [0, V).
+    """
     tokens = np.asarray(token_ids)
     spec = model.spec
     if tokens.ndim != 1 or not len(tokens) or not np.issubdtype(tokens.dtype, np.integer):
@@ -79,18 +89,22 @@ def score(model: DSAModel, token_ids: Any) -> np.ndarray:
     if tokens.min() < 0 or tokens.max() >= spec.vocab_size:
         raise ValueError(f"score: token ids must be in [0, vocab_size={spec.vocab_size}), got "
                          f"[{tokens.min()}, {tokens.max()}]")
+    T = len(tokens)
+    padded = np.zeros(-(-T // _SCORE_BUCKET) * _SCORE_BUCKET, np.int32)
+    padded[:T] = tokens
     graphdef, state = nnx.split(model)
-    logits = _scorer(graphdef, len(tokens))(state, jnp.asarray(tokens, jnp.int32))
-    return np.asarray(logits, np.float32)
+    logits = _scorer(graphdef, len(padded))(state, jnp.asarray(padded), jnp.int32(T))
+    return np.asarray(logits[:T], np.float32)
 
 
 @functools.lru_cache(maxsize=16)
-def _scorer(graphdef: Any, length: int):
-    """One compiled scoring pass per (model structure, sequence length)."""
+def _scorer(graphdef: Any, padded: int):
+    """One compiled scoring pass per (model structure, padded sequence length): tokens
+    int32[padded], of which the first `length` are real."""
     B = _SCORE_BLOCK
-    pages = -(-length // B)
+    pages = -(-padded // B)
 
-    def run(state, tokens):
+    def run(state, tokens, length):
         model = nnx.merge(graphdef, state)
         spec = model.spec
         cfg = HiSparseConfig(
@@ -99,9 +113,8 @@ def _scorer(graphdef: Any, length: int):
             max_model_len=pages * B, num_gpu_blocks=pages + 1)
         kv = HiSparseKVCache.create(cfg, num_layers=spec.num_layers, residency=AllResident())
         cache = DecodeCache(kv, model.init_index_keys(1, pages * B, external_topk=False))
-        rows = B + jnp.arange(length, dtype=jnp.int32)       # block 0 is the null block
-        logits, _ = model.prefill_every_position(cache, tokens, jnp.int32(length),
-                                                 jnp.int32(0), rows)
+        rows = B + jnp.arange(padded, dtype=jnp.int32)       # block 0 is the null block
+        logits, _ = model.prefill_every_position(cache, tokens, length, jnp.int32(0), rows)
         return logits
 
     return jax.jit(run)

@@ -1,0 +1,132 @@
+"""The MLPs of the DSA decoder (`hisparse_jax.models.dsa_layers`): the dense SwiGLU MLP and
+the DeepSeek-V3 mixture of experts.
+
+* `SwiGLU`: down(silu(gate(x)) * up(x)), the dense layers' MLP and the MoE's shared experts.
+* `Router`: sigmoid scores of float32 logits (the router weight and its score-correction
+  bias are float32 parameters whatever the model's dtype, as transformers keeps them); the
+  experts are chosen by score + bias, group-limited (the `topk_group` groups of highest
+  top-2 sum first); their weights are the unbiased scores, normalised to sum 1 when
+  `norm_topk_prob`, times `routed_scaling_factor`.
+* `MoE`: the routed experts as grouped matmuls (`jax.lax.ragged_dot`) over the token-expert
+  pairs sorted by expert (gate and up fused into one [E, H, 2I] stack, down [E, I, H]), each
+  pair's output weighted and summed back to its token in float32; plus the shared experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hisparse_jax.models.dsa_config import DSAConfig
+from hisparse_jax.models.synthetic_layers import as_dtype, linear
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)) with kernels gate, up [H, width] and down [width, H]."""
+
+    def __init__(self, cfg: DSAConfig, width: int, *, rngs: nnx.Rngs):
+        self.gate = linear(cfg, cfg.hidden_size, width, rngs)
+        self.up = linear(cfg, cfg.hidden_size, width, rngs)
+        self.down = linear(cfg, width, cfg.hidden_size, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Router(nnx.Module):
+    """DeepSeek-V3's group-limited sigmoid router (module docstring).
+
+    kernel float32[H, E] (the transpose of the checkpoint's `mlp.gate.weight` [E, H]), bias
+    float32[E] (`mlp.gate.e_score_correction_bias`): it moves the choice, never the weights.
+    """
+
+    def __init__(self, cfg: DSAConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H, E = cfg.hidden_size, cfg.n_routed_experts
+        self.kernel = nnx.Param(nnx.initializers.normal(H ** -0.5)(rngs.params(), (H, E),
+                                                                   jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((E,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, H] -> (weights float32[T, K], experts int32[T, K]), K = num_experts_per_tok
+        (experts distinct per row, in no particular order)."""
+        scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.kernel[...], precision=_HI))
+        experts = choose_experts(scores, self.bias[...], self.cfg)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, -1, keepdims=True) + 1e-20)
+        return weights * self.cfg.routed_scaling_factor, experts
+
+
+def choose_experts(scores: jax.Array, bias: jax.Array, cfg: DSAConfig) -> jax.Array:
+    """int32[T, K] experts of each row: the K highest score + bias among the experts of the
+    row's `topk_group` best groups (a group's score: the sum of its two highest score + bias;
+    `n_group` equal groups of consecutive experts)."""
+    T, E = scores.shape
+    G = cfg.n_group
+    choice = scores + bias
+    top2, _ = jax.lax.top_k(choice.reshape(T, G, E // G), 2)
+    _, groups = jax.lax.top_k(jnp.sum(top2, -1), cfg.topk_group)              # [T, topk_group]
+    keep = jnp.any(jax.nn.one_hot(groups, G, dtype=jnp.bool_), axis=-2)      # [T, G]
+    choice = jnp.where(jnp.repeat(keep, E // G, axis=-1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    return experts.astype(jnp.int32)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
+                   w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> [T, H] in x's dtype.
+
+    x [T, H]; weights float32[T, K]; experts int32[T, K]; w_gate_up [E, H, 2I] (gate then
+    up), w_down [E, I, H]. The T * K token-expert pairs are sorted by expert and each
+    expert's run multiplied by its weights in one grouped matmul (`jax.lax.ragged_dot`):
+    work in proportion to T * K, never to T * E. Each expert's output is rounded to x's dtype
+    (as a per-expert matmul in that dtype would), weighted in float32 and summed per token in
+    float32.
+    """
+    T, K = experts.shape
+    E, _, I2 = w_gate_up.shape
+    dt = x.dtype
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // K
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[token], w_gate_up.astype(dt), sizes,
+                           preferred_element_type=jnp.float32).astype(dt)
+    gate, up = h[:, : I2 // 2], h[:, I2 // 2:]
+    act = (jax.nn.silu(gate.astype(jnp.float32)).astype(dt).astype(jnp.float32)
+           * up.astype(jnp.float32)).astype(dt)
+    y = jax.lax.ragged_dot(act, w_down.astype(dt), sizes,
+                           preferred_element_type=jnp.float32).astype(dt)
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+    return out.astype(dt)
+
+
+class MoE(nnx.Module):
+    """The MoE MLP: `Router`, routed experts (w_gate_up [E, H, 2I], w_down [E, I, H] in the
+    parameter dtype; `routed_experts`) and, when n_shared_experts > 0, `shared` (a
+    `SwiGLU` of width moe_intermediate_size * n_shared_experts) added to every token."""
+
+    def __init__(self, cfg: DSAConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        E, H, width = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        pd = as_dtype(cfg.param_dtype)
+        self.router = Router(cfg, rngs=rngs)
+        self.w_gate_up = nnx.Param(
+            nnx.initializers.normal(H ** -0.5)(rngs.params(), (E, H, 2 * width), pd))
+        self.w_down = nnx.Param(
+            nnx.initializers.normal(width ** -0.5)(rngs.params(), (E, width, H), pd))
+        self.shared = (SwiGLU(cfg, width * cfg.n_shared_experts, rngs=rngs)
+                       if cfg.n_shared_experts else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [T, H] (compute dtype) -> [T, H]."""
+        weights, experts = self.router(x)
+        out = routed_experts(x, weights, experts, self.w_gate_up[...], self.w_down[...])
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out

@@ -20,7 +20,7 @@ def test_spec_describes_equal_and_uneven_groups():
     assert even.row_width == 8
     uneven = ModelSpec(num_layers=5, group_layers=(2, 2, 1), **FIELDS)
     assert uneven.num_groups == 3
-    with pytest.raises(ValueError, match="groups of equal size"):
+    with pytest.raises(ValueError, match="not groups of equal size"):
         uneven.index_group_size  # noqa: B018 - the engine's handle serves equal groups only
     with pytest.raises(ValueError, match="must add up to num_layers=4"):
         ModelSpec(num_layers=4, group_layers=(2, 1), **FIELDS)

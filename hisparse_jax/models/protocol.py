@@ -38,7 +38,9 @@ passed through from `EngineConfig`; `aux` is a dict of arrays):
     real position resident; earlier chunks' rows are read through it). logits as prefill.
     With host_pages int32[P] (the host block-table row) and host_pools (the pinned pool's
     arrays), pages before the chunk may be host-only (`EngineConfig.prefill.prefix_hit_pages`
-    "stage"); aux must then hold "staged_rows_host" / "staged_rows_device" (int32 scalars).
+    "stage"); aux must then hold "staged_rows_host" / "staged_rows_device" (rows per layer:
+    int32 scalars summed over the index groups when the groups are equal in size, else
+    int32[G], one count per group, which the engine weighs by the group's layer count).
     A model that cannot stage raises ValueError when given host_pages.
   * `decode(cache, batch)`: one token per batch row, batch a `DecodeBatch` (tokens
     int32[N], `batch.kv` the handle's `CacheBatch`: state rows (-1: padding, writes and
@@ -46,8 +48,10 @@ passed through from `EngineConfig`; `aux` is a dict of arrays):
     from an external source, or None: select with the model's own indexer). With
     speculative verification `batch.kv.rows_per_request` = r > 1: r adjacent rows of one
     seat at consecutive positions, each attending causally. logits float32[N, V]. aux
-    must hold "hits" and "misses" (int32 arrays of any shape, summed by the engine: the
-    `Lookup.hits` / `Lookup.misses` of the step's lookups), "hidden" [N, H] when the model
+    must hold "hits" and "misses" (the `Lookup.hits` / `Lookup.misses` of the step's
+    lookups, summed by the engine: int32 arrays of any shape when the index groups are equal
+    in size, else a leading dim G, one entry per group: a miss moves one row per layer of
+    its group), "hidden" [N, H] when the model
     drafts (the last hidden state `draft` reads), and "attention" [L, N, h, v] with
     collect_attention.
   * `draft(hidden, tokens, num_tokens)` (optional: `spec.has_draft`): greedy drafts
@@ -82,8 +86,9 @@ class ModelSpec:
       vocab_size: V; token ids are in [0, V).
       num_layers: L, layers with a KV cache (one device cache per layer).
       group_layers: the layer count of each index group, in layer order (sum L): a group's
-        layers share one top-k lookup and one hot state. The engine's KV-cache handle and
-        host tier serve equal groups (`index_group_size`); the tuple can describe others.
+        layers share one top-k lookup and one hot state (GLM-5: a "full" indexer layer
+        and the "shared" layers after it). Groups may differ in size; the host pool's
+        packing then holds gcd(group_layers) layers per array.
       top_k: K, positions each query row selects per group.
       kv_lora_rank: the first values of a KV row (the latent, MLA's value width); a row is
         kv_lora_rank + rope_dim values (`row_width`). A model whose rows are not MLA latents
@@ -148,11 +153,11 @@ class ModelSpec:
 
     @property
     def index_group_size(self) -> int:
-        """Layers per index group; ValueError when the groups differ in size (the KV-cache
-        handle and the host pool's packing serve equal groups)."""
+        """Layers per index group; ValueError when the groups differ in size (there is no
+        one size then: read `group_layers`)."""
         if len(set(self.group_layers)) != 1:
             raise ValueError(f"model {self.name!r} has index groups of {self.group_layers} "
-                             "layers; the engine serves groups of equal size")
+                             "layers, not groups of equal size: read group_layers")
         return self.group_layers[0]
 
 

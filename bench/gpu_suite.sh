@@ -254,16 +254,16 @@ run_step() {  # name, time limit in s, command...
       # DeepSeek-V3.2 weight stack), then every backend, the Triton variants and XLA's
       # ragged-dot fusion flag (a subprocess: hence no preallocation) at the decode shapes.
       grouped_matmul)
-        run_step grouped_matmul_tests 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/ops/test_grouped_matmul.py
-        XLA_PYTHON_CLIENT_PREALLOCATE=false run_step grouped_matmul 540 python3 -m bench.ops.grouped_matmul ;;
+        run_step grouped_matmul_tests "${GMM_TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/ops/test_grouped_matmul.py
+        XLA_PYTHON_CLIENT_PREALLOCATE=false HISPARSE_BENCH_LIMIT_S="${GMM_LIMIT:-540}" run_step grouped_matmul "${GMM_LIMIT:-540}" python3 -m bench.ops.grouped_matmul ;;
       resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows|copies_beside_attention)
         run_step "$step" 250 python3 -m bench.ops."$step" ;;
       # DeepSeek-V3.2 at its real dimensions, first REAL_LAYERS layers (3 dense + 1 MoE by default),
       # random bf16 weights, its own indexer and MoE, 64K-token contexts (synthetic prefill):
       # HiSparse / all-resident at 1, 64, 256 requests, asynchronous scheduling; then the step
       # profile at 256 (profile_real).
-      real_slice) run_step real_slice "${REAL_LIMIT:-560}" python3 -m bench.e2e_decode --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --context "${REAL_CONTEXT:-65536}" --concurrency "${REAL_CONCURRENCY:-1,64,256}" --modes hisparse,all-resident --warmup-steps 4 --measure-steps 16 --rounds 2 --time-budget "${REAL_BUDGET:-480}" --output "bench/results/e2e_decode-dsv32-real-gpu.json" --no-plot ;;
-      profile_real) run_step profile_real "${PROFILE_REAL_LIMIT:-400}" python3 -m bench.profile_step --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --context "${REAL_CONTEXT:-65536}" --concurrency 256 --steps 16 --profile-steps 4 --output "bench/results/profile_step-dsv32-real-c256-gpu.json" ;;
+      real_slice) XLA_PYTHON_CLIENT_MEM_FRACTION=${REAL_MEM_FRACTION:-0.92} run_step real_slice "${REAL_LIMIT:-560}" python3 -m bench.e2e_decode --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --context "${REAL_CONTEXT:-65536}" --concurrency "${REAL_CONCURRENCY:-1,64,256}" --modes hisparse,all-resident --warmup-steps 4 --measure-steps 16 --rounds 2 --time-budget "${REAL_BUDGET:-480}" --output "bench/results/e2e_decode-dsv32-real-gpu.json" --no-plot ;;
+      profile_real) XLA_PYTHON_CLIENT_MEM_FRACTION=${REAL_MEM_FRACTION:-0.92} run_step profile_real "${PROFILE_REAL_LIMIT:-400}" python3 -m bench.profile_step --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --context "${REAL_CONTEXT:-65536}" --concurrency 256 --steps 16 --profile-steps 4 --output "bench/results/profile_step-dsv32-real-c256-gpu.json" ;;
       *) echo "unknown step $step" ;;
     esac
   done

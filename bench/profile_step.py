@@ -431,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a synthetic config or a real architecture's slice (bench/_models.py)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="layers of the model (default: the config's)")
+    p.add_argument("--kv-format", default=kvf.BF16, choices=(kvf.BF16, kvf.FP8_DS_MLA),
+                   help="KV row format (docs/kv_format.md)")
     p.add_argument("--indexer", action="store_true",
                    help="the model's own indexer over synthetic unit-normal index keys picks "
                         "the top-k (default: the drift model, --turnover)")
@@ -480,13 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     pool = None
     if args.mode != "all-resident":
         pool = HostPool(num_layers=cfg.num_layers, block_size=args.block_size,
-                        row_width=cfg.row_width, dtype=kvf.storage_dtype(kvf.BF16, cfg.kv_dtype),
+                        row_width=kvf.storage_width(args.kv_format, cfg.row_width),
+                        dtype=kvf.storage_dtype(args.kv_format, cfg.kv_dtype),
                         num_blocks=1 + (args.concurrency + 1) * sizes["pages_per_request"])
     engine = e2e.make_engine(model, sizing, sizes, mode=args.mode,
                              concurrency=args.concurrency,
                              source=(None if args.indexer
                                      else DriftTopK(turnover=args.turnover, seed=1)),
-                             pool=pool)
+                             pool=pool, kv_format=args.kv_format)
     timer = None
     try:
         ramp = e2e.ramp(engine, args)
@@ -526,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"model": cfg.name, "context": args.context, "block_size": args.block_size,
                        "turnover": None if args.indexer else args.turnover,
                        "topk_source": "indexer" if args.indexer else "drift model",
+                       "kv_format": args.kv_format,
                        "num_layers": cfg.num_layers, "prefill": "synthetic",
                        "async_scheduling": args.async_scheduling,
                        "position_map": not args.no_position_map,

@@ -32,7 +32,9 @@ B rows per page, W row width, Ws stored row width):
     resident pages and hot regions of every request; flat row r is `[r // B, r % B]`; block 0
     is the null block (never read through a table). Donated with the cache at a jit boundary.
   * `HiSparseKVCache.hot[g]`: the `HotState` (int32/int16[S, H], and the position map
-    int16[S, P] when the config keeps one) of index group g.
+    int16[S, P] when the config keeps one) of index group g: group g is layers
+    [offset_g, offset_g + n_g) (`HiSparseKVCache.group_sizes`; the groups may differ in
+    size, e.g. GLM-5's (1, 2, 2): a layer with an indexer, then layers reusing its top-k).
   * `CacheBatch`: per-step inputs, read only: state_rows int32[N] (-1: padding row),
     positions int32[N] (the position each batch row writes this step), the batch rows'
     block-table rows src / res int32[N, P] and hot int32[N, Hb] (0: null block), and the
@@ -43,6 +45,7 @@ B rows per page, W row width, Ws stored row width):
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -50,6 +53,14 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.index_groups import (
+    checked_group_layers,
+    equal_group_layers,
+    group_sizes,
+    layer_group,
+    layers_per_pool_array,
+)
+from hisparse_jax.index_groups import group_slice as _group_slice
 from hisparse_jax.ops import (
     _registry,
     gather_compact_group,
@@ -195,23 +206,6 @@ class PendingLookup:
     plan: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
-def layers_per_pool_array(num_arrays: int, num_layers: int, group_size: int) -> int:
-    """G, the layers each of a host pool's `num_arrays` arrays holds side by side, for
-    `num_layers` layers in index groups of `group_size` (1: one array per layer).
-
-    Raises:
-      ValueError: the arrays do not split the layers into whole groups (their number must
-        divide num_layers, and G divide group_size).
-    """
-    pack = num_layers // num_arrays if num_arrays and num_layers % num_arrays == 0 else 0
-    if not pack or group_size % pack:
-        raise ValueError(
-            f"host_pools has {num_arrays} arrays for {num_layers} layers in index groups of "
-            f"{group_size}; the rule is one array per layer, or one per G layers with G "
-            "dividing the index group size")
-    return pack
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheBatch:
@@ -250,18 +244,28 @@ class CacheBatch:
         return cls(state_rows, positions, src[srow], res[srow], hot[srow], tuple(host_pools),
                    rows_per_request)
 
-    def group_pools(self, group: int, group_size: int, num_layers: int
-                    ) -> tuple[jax.Array, ...]:
-        """The pool arrays holding index group `group`'s layers (group g: layers
-        [g * group_size, (g + 1) * group_size)), for the group copies.
+    def group_pools(self, group: int, group_layers: int | Sequence[int],
+                    num_layers: int | None = None) -> tuple[jax.Array, ...]:
+        """The pool arrays holding index group `group`'s layers, for the group copies.
+
+        Args:
+          group: the index group (group g: layers [offset_g, offset_g + n_g), offset_g the
+            layers of the groups before it).
+          group_layers: every group's layer count n_g (a tuple, in layer order), or an int:
+            every group that many layers (group g: layers [g * n, (g + 1) * n)).
+          num_layers: L (needed with an int group_layers; with a tuple, its sum when given).
 
         Raises:
           ValueError: the arrays do not split the layers into whole groups (their number
-            must divide num_layers, and the layers per array divide group_size).
+            must divide L, and the layers per array divide every group's size:
+            `layers_per_pool_array`).
         """
-        per_group = group_size // layers_per_pool_array(len(self.host_pools), num_layers,
-                                                        group_size)
-        return self.host_pools[group * per_group:(group + 1) * per_group]
+        groups = group_sizes(group_layers, num_layers)
+        total = sum(groups) if num_layers is None else num_layers
+        pack = layers_per_pool_array(len(self.host_pools), total, group_layers
+                                     if isinstance(group_layers, numbers.Integral) else groups)
+        start = sum(groups[:group]) // pack
+        return self.host_pools[start:start + groups[group] // pack]
 
     def rows(self, index: int) -> CacheBatch:
         """The batch of row `index` of every request (rows_per_request 1)."""
@@ -288,8 +292,15 @@ class HiSparseKVCache:
         unused by `AllResident` lookups).
       residency: `AllResident()`, `HiSparse()` or `NaiveOffload()` (static).
       block_size: B (static).
-      index_group_size: layers per index group (static): group g is layers
-        [g * size, (g + 1) * size) and its lookup serves all of them.
+      index_group_size: layers per index group when the groups are of equal size (static):
+        group g is layers [g * size, (g + 1) * size) and its lookup serves all of them. 0
+        when `group_layers` gives groups of unequal size (derived from it then).
+      group_layers: None (default: equal groups of index_group_size), or the layer count
+        n_g of each index group in layer order (static; groups of unequal size, e.g. GLM-5's
+        (1, 2, 2): a layer with an indexer, then the layers reusing its top-k): group g is
+        layers [offset_g, offset_g + n_g), offset_g the layers of the groups before it.
+        Equal counts are kept as index_group_size (one representation, one trace).
+        `group_sizes` reads the layout either way.
       host_rows: rows of one layer's host pool (static); host rows >= it read as missing.
       ops_backend: backend of the data-plane ops (static; None: picked per platform).
       kv_format: the stored row format, "bf16" or "fp8_ds_mla" (static).
@@ -309,24 +320,38 @@ class HiSparseKVCache:
     residency: Residency = dataclasses.field(metadata=_STATIC)
     block_size: int = dataclasses.field(metadata=_STATIC)
     index_group_size: int = dataclasses.field(default=1, metadata=_STATIC)
+    group_layers: tuple[int, ...] | None = dataclasses.field(default=None, metadata=_STATIC)
     host_rows: int = dataclasses.field(default=0, metadata=_STATIC)
     ops_backend: str | None = dataclasses.field(default=None, metadata=_STATIC)
     kv_format: str = dataclasses.field(default=kvf.BF16, metadata=_STATIC)
     copy_programs: int | None = dataclasses.field(default=None, metadata=_STATIC)
     copy_with_attention: bool = dataclasses.field(default=False, metadata=_STATIC)
 
+    def __post_init__(self) -> None:
+        # The layout has one representation: equal group_layers become index_group_size;
+        # unequal ones set index_group_size to 0 (no common size).
+        if self.group_layers is not None:
+            groups = tuple(int(n) for n in self.group_layers)
+            equal = len(set(groups)) == 1
+            object.__setattr__(self, "group_layers", None if equal else groups)
+            object.__setattr__(self, "index_group_size", groups[0] if equal else 0)
+
     @classmethod
     def create(cls, cfg: HiSparseConfig, *, num_layers: int, residency: Residency,
-               index_group_size: int = 1, ops_backend: str | None = None,
-               copy_programs: int | None = None, copy_with_attention: bool = False
-               ) -> HiSparseKVCache:
+               index_group_size: int = 1, group_layers: Sequence[int] | None = None,
+               ops_backend: str | None = None, copy_programs: int | None = None,
+               copy_with_attention: bool = False) -> HiSparseKVCache:
         """Zero caches [cfg.num_gpu_blocks, B, cfg.storage_width] (cfg.storage_dtype) per
         layer and an empty hot state per index group; host_rows and kv_format from cfg (no
-        host pool: host_rows 0).
+        host pool: host_rows 0). The groups: `group_layers` (each group's layer count, in
+        layer order; e.g. a model's `ModelSpec.group_layers`) when given, else groups of
+        `index_group_size` layers.
 
         Raises:
-          ValueError: copy_programs is neither None nor an int >= 1, or
-            copy_with_attention is not a bool.
+          ValueError: group_layers are not positive ints adding up to num_layers (or
+            index_group_size does not divide num_layers, or both are given and differ),
+            copy_programs is neither None nor an int >= 1, or copy_with_attention is not a
+            bool.
         """
         if copy_programs is not None and (not isinstance(copy_programs, int)
                                           or isinstance(copy_programs, bool)
@@ -334,18 +359,45 @@ class HiSparseKVCache:
             raise ValueError(f"copy_programs must be None or an int >= 1, got {copy_programs!r}")
         if not isinstance(copy_with_attention, bool):
             raise ValueError(f"copy_with_attention must be a bool, got {copy_with_attention!r}")
+        groups = checked_group_layers(num_layers, index_group_size, group_layers)
         num_blocks = cfg.require("num_gpu_blocks")
         shape = (num_blocks, cfg.block_size, cfg.storage_width)
         return cls(
             caches=tuple(jnp.zeros(shape, cfg.storage_dtype) for _ in range(num_layers)),
-            hot=tuple(init_hot_state(cfg) for _ in range(num_layers // index_group_size)),
-            residency=residency, block_size=cfg.block_size, index_group_size=index_group_size,
+            hot=tuple(init_hot_state(cfg) for _ in groups),
+            residency=residency, block_size=cfg.block_size, group_layers=groups,
             host_rows=cfg.host_rows, ops_backend=ops_backend, kv_format=cfg.kv_format,
             copy_programs=copy_programs, copy_with_attention=copy_with_attention)
 
     @property
     def num_layers(self) -> int:
         return len(self.caches)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """n_g, the layer count of each index group in layer order (sum: num_layers)."""
+        if self.group_layers is not None:
+            return self.group_layers
+        return equal_group_layers(self.num_layers, self.index_group_size)
+
+    @property
+    def num_groups(self) -> int:
+        """G, the index groups (one hot state and one lookup per step each)."""
+        return len(self.group_sizes)
+
+    def group_slice(self, group: int) -> slice:
+        """The layers of index group `group`: [offset_g, offset_g + n_g)."""
+        return _group_slice(self.group_sizes, group)
+
+    def layer_group(self, layer: int) -> tuple[int, int]:
+        """(g, i): layer `layer` is the i-th layer of index group g (i == 0: the group's
+        first layer, which selects its top-k in a model with one indexer per group)."""
+        return layer_group(self.group_sizes, layer)
+
+    def group_pools(self, group: int, batch: CacheBatch) -> tuple[jax.Array, ...]:
+        """The arrays of `batch.host_pools` holding index group `group`'s layers
+        (`CacheBatch.group_pools` with this handle's groups)."""
+        return batch.group_pools(group, self.group_sizes, self.num_layers)
 
     def with_residency(self, residency: Residency) -> HiSparseKVCache:
         """The same arrays under another residency type (another traced step variant)."""
@@ -426,25 +478,21 @@ class HiSparseKVCache:
             return (cache, *sparse_mla_decode(q, cache.caches[layer], attention_rows, **kw),
                     dataclasses.replace(pending, plan=None))
         group = pending.group
-        layers = self._group_layers(group)
+        layers = self.group_slice(group)
         if layers.start <= layer < layers.stop:
             raise ValueError(f"layer {layer} attends while its own index group {group}'s "
                              "copies are pending: land the lookup first")
         out, lse, copied = sparse_mla_decode_with_copies(
             q, self.caches[layer], attention_rows,
-            batch.group_pools(group, self.index_group_size, self.num_layers),
+            self.group_pools(group, batch),
             self.caches[layers], *pending.plan, copy_programs=self.copy_programs or 32, **kw)
         return (self._with_group_caches(group, copied), out, lse,
                 dataclasses.replace(pending, plan=None))
 
-    def _group_layers(self, group: int) -> slice:
-        """The layers of index group `group`."""
-        return slice(group * self.index_group_size, (group + 1) * self.index_group_size)
-
     def _with_group_caches(self, group: int, caches: Sequence[jax.Array]) -> HiSparseKVCache:
         """The handle with index group `group`'s layer caches replaced by `caches`."""
         new = list(self.caches)
-        new[self._group_layers(group)] = caches
+        new[self.group_slice(group)] = caches
         return dataclasses.replace(self, caches=tuple(new))
 
     def _copy_group(self, group: int, plan: tuple[jax.Array, jax.Array, jax.Array],
@@ -452,8 +500,8 @@ class HiSparseKVCache:
         """The handle after the swap plan's copies from host into every layer of `group`
         (`gather_compact_group`)."""
         copied = gather_compact_group(
-            batch.group_pools(group, self.index_group_size, self.num_layers),
-            self.caches[self._group_layers(group)], *plan, backend=self.ops_backend,
+            self.group_pools(group, batch),
+            self.caches[self.group_slice(group)], *plan, backend=self.ops_backend,
             copy_programs=self.copy_programs)
         return self._with_group_caches(group, copied)
 

@@ -46,6 +46,7 @@ from hisparse_jax.engine.config_groups import (
     Tuning,
     check_bool,
 )
+from hisparse_jax.index_groups import packed_layers
 from hisparse_jax.ops import _registry
 from hisparse_jax.topk_sources import TopKSource
 from host_tier.sizes import cdiv, is_int, round_up
@@ -280,9 +281,12 @@ class EngineConfig:
                 np.dtype(kvf.storage_dtype(self.kv_format, spec.kv_dtype)))
 
     def host_layers_per_array(self, spec: Any) -> int:
-        """The host pool's layers per array (`tuning.pack_host_layers`): the model's
-        `spec.index_group_size`, or 1."""
-        return spec.index_group_size if self.tuning.pack_host_layers else 1
+        """The host pool's layers per array (`tuning.pack_host_layers`; 1 without): the most
+        layers an array can hold while holding one index group's layers only, the greatest
+        common divisor of the model's `spec.group_layers` (`packed_layers`): the group size
+        when the groups are equal; for groups of unequal size, e.g. (1, 2, 2), their common
+        divisor (1 there: one array per layer)."""
+        return packed_layers(spec.group_layers) if self.tuning.pack_host_layers else 1
 
     def hisparse_config(self, spec: Any, *, num_host_blocks: int | None = None
                         ) -> HiSparseConfig:

@@ -258,7 +258,10 @@ class Tuning:
         side by side, one array per group with rows index_group_size x wider: the group's one
         swap plan then reads each selected host row once for all its layers, and a random
         pinned-host row costs a fixed overhead beside its bytes (`docs/host_pool.md`). False:
-        one array per layer. Nothing changes for groups of one layer.
+        one array per layer. Nothing changes for groups of one layer. Index groups of
+        unequal size (`ModelSpec.group_layers`, e.g. (1, 2, 2)): every array holds the same
+        number G of layers, all of one group, so G is the greatest common divisor of the
+        group sizes (1 for (1, 2, 2): one array per layer; 2 for (2, 4)).
       position_map: bool (default True): each hot state keeps a position map
         (`HiSparseConfig.position_map`; HiSparse residency only): resolve looks every
         selected row up once instead of searching the hot region (`docs/semantics.md`), for

@@ -122,7 +122,7 @@ class DeviceState:
         ec, cfg, spec = self.config, self.cfg, self.spec
         self.hot_deferred: np.ndarray | None = None  # `apply_plan_state`, fresh state: none
         kv = HiSparseKVCache.create(cfg, num_layers=spec.num_layers, residency=self.residency,
-                                    index_group_size=spec.index_group_size,
+                                    group_layers=spec.group_layers,
                                     ops_backend=ec.tuning.ops_backend,
                                     copy_programs=ec.tuning.copy_programs,
                                     copy_with_attention=ec.tuning.copy_with_attention)

@@ -175,8 +175,9 @@ class Engine(EngineFront):
           host_pool: an existing `host_tier.HostPool` to use (and not close): e.g. one pool
             shared by engines that run one after another, instead of pinning a new pool per
             engine. Its block count replaces `config.sizes.num_host_blocks` and its packing
-            (`layers_per_array`, which must divide the index group size)
-            `config.tuning.pack_host_layers` (ignored when all-resident).
+            (`layers_per_array`, which must divide every index group's size: an array holds
+            one group's layers only) `config.tuning.pack_host_layers` (ignored when
+            all-resident).
         """
         self.config, self.spec = ec, spec = checked_config("Engine", model, config)
         self.compilation_cache_dir = compile_cache.enable() if ec.compilation_cache else None
@@ -236,11 +237,14 @@ class Engine(EngineFront):
         if have != want or host_pool.closed:
             raise ValueError(f"Engine host_pool must be an open HostPool of (layers, "
                              f"block_size, row_width, dtype) = {want}, got {have}")
-        if spec.index_group_size % host_pool.layers_per_array:
+        groups = spec.group_layers
+        if any(n % host_pool.layers_per_array for n in groups):
+            size = (f"the index group size {groups[0]}" if len(set(groups)) == 1
+                    else f"every index group's size {groups}")
             raise ValueError(
                 f"Engine host_pool keeps {host_pool.layers_per_array} layers per array; "
-                f"the rule is a number dividing the index group size "
-                f"{spec.index_group_size} (a packed array holds whole groups' layers)")
+                f"the rule is a number dividing {size} (a packed array holds whole groups' "
+                "layers)")
         return host_pool
 
     # ------------------------------------------------------------------ state

@@ -30,6 +30,7 @@ from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import fill_decode_inputs
 from hisparse_jax.engine.step import StepContext
 from hisparse_jax.engine.step_builder import StepBuilder, variant_name
+from hisparse_jax.index_groups import layer_rows
 from pallas_kernels import _compat
 
 DATA, MODEL = "data", "model"
@@ -187,7 +188,12 @@ class MeshDecode:
         decode, residency, aux = pending.decode, pending.residency, pending.aux
         tokens = self._local_blocks(pending.tokens)
         hits = sum(int(b.sum()) for b in self._local_blocks(aux["hits"]).values())
-        misses = sum(int(b.sum()) for b in self._local_blocks(aux["misses"]).values())
+        missed = self._local_blocks(aux["misses"]).values()
+        misses = sum(int(b.sum()) for b in missed)
+        # Each miss is copied into every layer of its index group (a shard's block: the
+        # model's per-group misses).
+        rows = sum(int(layer_rows(b, ctx.spec.group_layers, what='decode aux["misses"]'))
+                   for b in missed)
         attention = self._local_blocks(aux["attention"]) if "attention" in aux else None
         seconds = time.perf_counter() - pending.started
         reqs = [r for rs in decode.values() for r in rs]
@@ -195,8 +201,7 @@ class MeshDecode:
                              compiled=CompileWatch.count != pending.compiles):
             ctx.clock.decode_tokens += len(reqs)
         ctx.metrics.record_decode(fast=not residency.reads_host, hits=hits, misses=misses,
-                                  index_group_size=ctx.spec.index_group_size,
-                                  row_bytes=ctx.row_bytes)
+                                  rows=rows, row_bytes=ctx.row_bytes)
         for sh in self.shards:
             for req in decode.get(sh.index, ()):
                 sh.scheduler.collected(req)

@@ -55,7 +55,7 @@ class Metrics:
     generated_tokens: int = 0
     hot_hits: int = 0
     hot_misses: int = 0
-    rows_moved: int = 0
+    rows_moved: int = 0  # host -> device rows, a miss of index group g counted n_g times
     bytes_moved: int = 0
     decode_seconds: float = 0.0  # steps that compiled excluded (see the module docstring)
     prefill_seconds: float = 0.0
@@ -84,23 +84,31 @@ class Metrics:
     staged_bytes_host: int = 0  # over all layers
     staged_chunks: int = 0  # chunk prefills that ran the staged variant
 
-    def record_staged(self, from_host: int, from_device: int, *, row_bytes: int) -> None:
-        """One chunk prefill's staged rows (summed over index groups; `row_bytes`: one row over
-        the layers of a group)."""
+    def record_staged(self, from_host: int, from_device: int, *, row_bytes: int,
+                      host_layer_rows: int | None = None) -> None:
+        """One chunk prefill's staged rows (summed over index groups). `row_bytes`: one
+        stored row of one layer; `host_layer_rows`: the rows from host counted once per layer
+        of their group (each is copied into every layer of its group: `layer_rows`), default
+        from_host (groups of one layer)."""
         self.staged_rows_host += from_host
         self.staged_rows_device += from_device
-        self.staged_bytes_host += from_host * row_bytes
+        self.staged_bytes_host += (from_host if host_layer_rows is None
+                                   else host_layer_rows) * row_bytes
         self.staged_chunks += int(from_host + from_device > 0)
 
-    def record_decode(self, *, fast: bool, hits: int, misses: int, index_group_size: int,
-                      row_bytes: int) -> None:
+    def record_decode(self, *, fast: bool, hits: int, misses: int, row_bytes: int,
+                      index_group_size: int = 1, rows: int | None = None) -> None:
         """One decode step: `hits` / `misses` hot-region lookups summed over its index groups
-        (each miss is copied into every layer of its group)."""
+        (each miss is copied into every layer of its group). `rows`: the rows moved, each
+        miss counted once per layer of its group (sum_g n_g * misses of group g:
+        `layer_rows`); default misses * index_group_size (groups of equal size).
+        `row_bytes`: one stored row of one layer."""
         self.decode_steps += 1
         self.fast_steps += int(fast)
         self.hot_hits += hits
         self.hot_misses += misses
-        rows = misses * index_group_size
+        if rows is None:
+            rows = misses * index_group_size
         self.rows_moved += rows
         self.bytes_moved += rows * row_bytes
         self.rows_moved_per_step.append(rows)

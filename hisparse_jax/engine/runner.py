@@ -38,6 +38,7 @@ from hisparse_jax.engine.device_state import DeviceState, with_residency
 from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.step_builder import TABLE_FOLD_ROWS, StepBuilder, idle_inputs, variant_name
+from hisparse_jax.index_groups import layer_rows
 from hisparse_jax.models.protocol import DecodeCache, ServedModel
 from host_tier.plan import StepPlan, TableUpdate
 from host_tier.sizes import round_up
@@ -125,7 +126,8 @@ class PendingDecode:
 class DecodeResult:
     """A collected decode step: tokens int[max_seats, r] by seat (r = 1 + speculative
     tokens; the first counts[seat] are the step's output), hot hits / misses summed over
-    rows and groups, attention [L, max_seats, r, h, kv_lora] when collected; drafts
+    rows and groups, rows_moved the misses counted once per layer of their index group
+    (None: as misses), attention [L, max_seats, r, h, kv_lora] when collected; drafts
     int[max_seats, k] the next step's on-device drafts (k = 0: none); `compiled`: this process
     compiled something between the dispatch and the collection."""
 
@@ -137,6 +139,7 @@ class DecodeResult:
     seconds: float
     compiled: bool = False
     drafts: np.ndarray | None = None
+    rows_moved: int | None = None
 
 
 class Runner:
@@ -158,8 +161,10 @@ class Runner:
     """
 
     # The rows the last `prefill_chunk` staged (from host, from device; summed over index
-    # groups): (0, 0) unless it ran the staged variant.
+    # groups): (0, 0) unless it ran the staged variant; and its rows from host counted once
+    # per layer of their index group (`layer_rows`).
     staged_rows: tuple[int, int] = (0, 0)
+    staged_host_layer_rows: int = 0
 
     def __init__(self, model: ServedModel, ec: EngineConfig, cfg: HiSparseConfig,
                  residency: Residency, *, tables: Any, transfers: Any, host_pool: Any,
@@ -334,7 +339,7 @@ class Runner:
             parts.append(flat[at:at + leaf.size].reshape(leaf.shape))
             at += leaf.size
         out = jax.tree.unflatten(jax.tree.structure(pending.tokens), parts)
-        hits, misses = flat[at:at + 2]
+        hits, misses, rows_moved = flat[at:at + 3]
         started = pending.started if since is None else max(pending.started, since)
         seconds = time.perf_counter() - started
         S = self.cfg.max_num_reqs
@@ -349,7 +354,7 @@ class Runner:
                 attention = attention[:, :, None]
         return DecodeResult(tokens, counts, int(hits), int(misses), attention,
                             seconds, compiled=CompileWatch.count != pending.compiles,
-                            drafts=drafts)
+                            drafts=drafts, rows_moved=int(rows_moved))
 
     # ------------------------------------------------------------------ prefill
 
@@ -399,7 +404,7 @@ class Runner:
         padded[:num_tokens] = req.prompt[start:start + num_tokens]
         pages = np.zeros(self.cfg.max_pages, np.int32)
         pages[:len(res_blocks)] = res_blocks
-        host, self.staged_rows = None, (0, 0)
+        host, self.staged_rows, self.staged_host_layer_rows = None, (0, 0), 0
         if host_blocks is not None and np.any(pages[:start // self.cfg.block_size] <= 0):
             host = np.zeros(self.cfg.max_pages, np.int32)
             host[:len(host_blocks)] = host_blocks
@@ -413,7 +418,11 @@ class Runner:
         kind = "prefill_chunk"
         if host is not None:
             kind = "prefill_chunk_staged"
-            self.staged_rows = (int(aux["staged_rows_host"]), int(aux["staged_rows_device"]))
+            from_host = np.asarray(aux["staged_rows_host"])
+            self.staged_rows = (int(from_host.sum()),
+                                int(np.asarray(aux["staged_rows_device"]).sum()))
+            self.staged_host_layer_rows = int(layer_rows(
+                from_host, self.spec.group_layers, what='prefill_chunk aux["staged_rows_host"]'))
         return (token, attention, time.perf_counter() - t0, (kind, T),
                 CompileWatch.count != compiles)
 

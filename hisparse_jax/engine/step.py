@@ -129,8 +129,8 @@ def prefill(ctx: StepContext, req: Request, part: StepPart) -> None:
             staging = ({"host_blocks": np.asarray(view.host_blocks, np.int64)}
                        if config.stages_prefix_hits else {})
             out = runner.prefill_chunk(req, blocks, req.num_prefilled, req.chunk, **staging)
-            ctx.metrics.record_staged(
-                *runner.staged_rows, row_bytes=ctx.row_bytes * ctx.spec.index_group_size)
+            ctx.metrics.record_staged(*runner.staged_rows, row_bytes=ctx.row_bytes,
+                                      host_layer_rows=runner.staged_host_layer_rows)
         token, attention, seconds, variant, compiled = out
     except Exception as e:  # noqa: BLE001 - this request fails, the others go on
         message = f"prefill failed: {type(e).__name__}: {e}"
@@ -171,7 +171,7 @@ def collect(ctx: StepContext, part: StepPart, pending: PendingDecode, *,
                      compiled=result.compiled):
         clock.decode_tokens += emitted
     metrics.record_decode(fast=not pending.residency.reads_host, hits=result.hits,
-                          misses=result.misses, index_group_size=ctx.spec.index_group_size,
+                          misses=result.misses, rows=result.rows_moved,
                           row_bytes=ctx.row_bytes)
     metrics.decode_request_steps += len(reqs)
     metrics.decode_emitted += emitted

@@ -42,6 +42,7 @@ from hisparse_jax.cache import AllResident, CacheBatch, Residency
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.sampler import sample, token_keys
+from hisparse_jax.index_groups import layer_rows
 from hisparse_jax.models.protocol import DecodeBatch, DecodeCache, ModelSpec
 from hisparse_jax.state import hot_updates
 from host_tier.worker.device_tables import set_rows, table_update_size
@@ -161,12 +162,13 @@ class StepBuilder:
         table, `DeviceBlockTables.take_deferred`) and the deferred hot updates
         (`HOT_FOLD_ROWS`, `pack_hot_updates`), applied to the tables (donated) and the hot
         states before the step reads them: the step returns (tokens, cache, aux, tables),
-        aux["to_host"] the tokens and the hit / miss sums in one int32 array."""
+        aux["to_host"] the tokens, the hit / miss sums and the rows moved (each miss counted
+        once per layer of its index group: `layer_rows`) in one int32 array."""
         step = self.wrap(self.decode_fn(), name)
         block_size = self.cfg.block_size
         specs = [(a.shape, a.dtype) for a in idle_inputs(self.cfg.max_num_reqs,
                                                          self.num_speculative_tokens)]
-        feeds_back = self.feeds_back
+        feeds_back, group_layers = self.feeds_back, self.spec.group_layers
         if feeds_back:  # prev_index int32[S] (`Runner.run_decode`)
             specs.append(((self.cfg.max_num_reqs,), np.dtype(np.int32)))
 
@@ -194,9 +196,11 @@ class StepBuilder:
             out, cache, aux = step(params, cache, tokens, positions, state_rows, tables,
                                    host_pools, temperature, key, seeds, topk_state, steps)
             # What the host reads of the step, as one array (one copy: `collect_decode`).
+            rows = layer_rows(aux["misses"], group_layers, what='decode aux["misses"]')
             aux["to_host"] = jnp.concatenate(
                 [x.reshape(-1).astype(jnp.int32) for x in jax.tree.leaves(out)]
-                + [jnp.stack([aux["hits"].sum(), aux["misses"].sum()]).astype(jnp.int32)])
+                + [jnp.stack([aux["hits"].sum(), aux["misses"].sum(), rows]
+                             ).astype(jnp.int32)])
             return out, cache, aux, tables
 
         return jax.jit(packed_step, donate_argnames=("cache", "tables"))

@@ -10,6 +10,12 @@ the DeepSeek-V3 mixture of experts.
 * `MoE`: the routed experts as grouped matmuls (`jax.lax.ragged_dot`) over the token-expert
   pairs sorted by expert (gate and up fused into one [E, H, 2I] stack, down [E, I, H]), each
   pair's output weighted and summed back to its token in float32; plus the shared experts.
+
+`grouped_matmul` is the one place the experts' grouped matmuls run. `jax.lax.ragged_dot`
+does work in proportion to the pairs on a CPU; XLA's GPU compiler, unless a grouped-GEMM
+lowering is turned on (e.g. `--xla_gpu_experimental_use_ragged_dot_fusion` with a recent
+cuDNN), rewrites it into a dense dot over a per-expert masked copy of the rows, E times the
+work and an E-times temporary: a grouped-matmul kernel belongs here for large models.
 """
 
 from __future__ import annotations
@@ -76,14 +82,20 @@ def choose_experts(scores: jax.Array, bias: jax.Array, cfg: DSAConfig) -> jax.Ar
     return experts.astype(jnp.int32)
 
 
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """float32[M, N]: rows [start_e, start_e + group_sizes[e]) of lhs [M, K] times rhs[e]
+    [K, N], groups in order (sum(group_sizes) = M)."""
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
                    w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> [T, H] in x's dtype.
 
     x [T, H]; weights float32[T, K]; experts int32[T, K]; w_gate_up [E, H, 2I] (gate then
     up), w_down [E, I, H]. The T * K token-expert pairs are sorted by expert and each
-    expert's run multiplied by its weights in one grouped matmul (`jax.lax.ragged_dot`):
-    work in proportion to T * K, never to T * E. Each expert's output is rounded to x's dtype
+    expert's run multiplied by its weights in one grouped matmul (`grouped_matmul`), never
+    a loop over every expert. Each expert's output is rounded to x's dtype
     (as a per-expert matmul in that dtype would), weighted in float32 and summed per token in
     float32.
     """
@@ -94,13 +106,11 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     order = jnp.argsort(flat, stable=True)
     token = order // K
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    h = jax.lax.ragged_dot(x[token], w_gate_up.astype(dt), sizes,
-                           preferred_element_type=jnp.float32).astype(dt)
+    h = grouped_matmul(x[token], w_gate_up.astype(dt), sizes).astype(dt)
     gate, up = h[:, : I2 // 2], h[:, I2 // 2:]
     act = (jax.nn.silu(gate.astype(jnp.float32)).astype(dt).astype(jnp.float32)
            * up.astype(jnp.float32)).astype(dt)
-    y = jax.lax.ragged_dot(act, w_down.astype(dt), sizes,
-                           preferred_element_type=jnp.float32).astype(dt)
+    y = grouped_matmul(act, w_down.astype(dt), sizes).astype(dt)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
     return out.astype(dt)

@@ -1,4 +1,4 @@
-"""Continuous-batching decode with the HiSparse host tier, on a randomly initialised model.
+"""Continuous-batching decode with the HiSparse host tier, on a random model or a checkpoint.
 
 By default: the `tiny` config on the CPU, 6 requests on 4 seats, and a device KV pool that
 holds only part of the contexts, so the host tier spills pages, unpins them, loses some to
@@ -9,6 +9,11 @@ KV row on the device; `--check` runs both and compares the generated tokens (gre
 sampled under one `--seed` with `--temperature` > 0: sampling depends only on the seed, the
 request's order and the token's index, so both modes draw the same tokens).
 
+`--model PATH` serves a Hugging Face checkpoint folder (DeepSeek-V3.2 or GLM-5: config.json and
+safetensors weights) instead of a random `--config` model; `--prompt TEXT` (encoded with the
+folder's tokenizer.json; prints each request's decoded output) or `--prompt-ids 1,2,3` (prints
+the generated ids), each repeatable, give the requests' prompts instead of random tokens.
+
 Every argument is checked before any work: a bad value or combination, or a configuration
 the engine refuses, prints one line naming the flag and the rule and exits with status 2.
 
@@ -17,6 +22,8 @@ the engine refuses, prints one line naming the flag and the rule and exits with 
     python3 examples/decode.py --config tiny576 --kv-format fp8_ds_mla --check   # fp8 rows
     python3 examples/decode.py --speculative-tokens 2 --check   # MTP drafts, 3 rows per step
     python3 examples/decode.py --async-scheduling --check   # step t + 1 dispatched during t
+    python3 examples/decode.py --model PATH --prompt "The capital of France is" \\
+        --max-model-len 4096 --block-size 64 --all-resident   # a checkpoint (GPU)
     python3 examples/decode.py --config dsv32-2l --requests 4 --prompt-len 3072 \\
         --gen-len 32 --block-size 64 --max-model-len 4096 --gpu-pool-fraction 0.5   # GPU
 """
@@ -24,6 +31,7 @@ the engine refuses, prints one line naming the flag and the rule and exits with 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -46,6 +54,8 @@ from hisparse_jax.engine import (
     Speculative,
 )
 from hisparse_jax.engine.engine import host_tier_coordinator
+from hisparse_jax.models.checkpoint import CONFIG_FILE, open_checkpoint
+from hisparse_jax.models.tokenizer import Tokenizer, load_tokenizer
 from host_tier import CapacityError
 from host_tier.sizes import cdiv
 from host_tier.worker.host_pool import available_ram_bytes, check_available_ram
@@ -64,6 +74,7 @@ FIELD_FLAGS = {"num_host_blocks": "--host-blocks", "num_gpu_blocks": "--gpu-bloc
                "kv_format": "--kv-format", "speculative.num_tokens": "--speculative-tokens",
                "acceptance_rate": "--acceptance-rate",
                "prefill.chunk_size": "--prefill-chunk-size"}
+DTYPES = ("bfloat16", "float32")   # --dtype: a checkpoint's parameter and compute dtype
 
 
 class ProgressBar:
@@ -168,6 +179,25 @@ def pool_fraction(text: str) -> float:
     return value
 
 
+def token_ids(text: str) -> list[int]:
+    """argparse type: comma-separated token ids (ints >= 0), at least one."""
+    parts = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() and t.isascii() for t in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids (ints >= 0), e.g. "
+                                         f"1,2,3; got {text!r}")
+    return [int(t) for t in parts]
+
+
+class StoreGiven(argparse.Action):
+    """Stores the value like "store" and adds the flag's name to `args.given`: the flags a
+    user set, told apart from their defaults (the rules between --model / --prompt and
+    --config / --requests / --prompt-len read it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = tuple(sorted({*namespace.given, self.dest}))
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to a flag's help once: not where the help text already says
     its default, nor for a default of None or False (an option that is off, or whose help
@@ -180,18 +210,40 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --prompt, --prompt-ids: a checkpoint and given prompts (and
+    `args.given`, the flags StoreGiven saw set)."""
+    p.set_defaults(given=())
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="serve this Hugging Face checkpoint folder (config.json, safetensors "
+                        "weights; DeepSeek-V3.2 or GLM-5) instead of a random --config model")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="with --model: parameter and compute dtype (default: float32 for a "
+                        "float32 checkpoint, else bfloat16)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="with --model: a request's prompt, encoded by the folder's "
+                        "tokenizer.json; repeat for more requests (their number and longest "
+                        "prompt replace --requests and --prompt-len); prints each request's "
+                        "decoded output, which stops at the tokenizer's end-of-sequence ids")
+    p.add_argument("--prompt-ids", action="append", default=None, type=token_ids,
+                   metavar="IDS",
+                   help="a request's prompt as comma-separated token ids, e.g. 1,2,3; repeat "
+                        "for more requests (as --prompt); prints each request's generated ids")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="decode.py", usage="%(prog)s [options]",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(models.CONFIGS),
-                   help="model config (hisparse_jax.models.CONFIGS): tiny and tiny576 run on the "
-                        "CPU; dsv32-2l has DeepSeek-V3.2's attention dimensions (2 layers)")
-    p.add_argument("--requests", type=positive_int, default=6,
+    p.add_argument("--config", default="tiny", choices=sorted(models.CONFIGS), action=StoreGiven,
+                   help="random model config (hisparse_jax.models.CONFIGS): tiny and tiny576 run "
+                        "on the CPU; dsv32-2l has DeepSeek-V3.2's attention dimensions (2 layers)")
+    add_model_flags(p)
+    p.add_argument("--requests", type=positive_int, default=6, action=StoreGiven,
                    help="requests to decode (random prompts drawn from --seed)")
     p.add_argument("--seats", type=positive_int, default=4,
                    help="decode batch rows (max_num_reqs); at most --requests are used")
-    p.add_argument("--prompt-len", type=positive_int, default=64,
+    p.add_argument("--prompt-len", type=positive_int, default=64, action=StoreGiven,
                    help="longest prompt (random tokens, 3/4 of it to all of it)")
     p.add_argument("--gen-len", type=positive_int, default=48, help="new tokens per request")
     p.add_argument("--max-model-len", type=positive_int, default=128,
@@ -266,6 +318,7 @@ HOST_TIER_FLAGS = ("hot_size", "gpu_blocks", "gpu_pool_fraction", "host_blocks")
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The rules between flags, before any work; `p.error` (exit 2) names the flags."""
+    check_model_flags(p, args)        # first: given prompts set --requests and --prompt-len
     total = args.prompt_len + args.gen_len
     if total > args.max_model_len:
         p.error(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = {total} exceeds "
@@ -297,22 +350,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     "--check")
     if args.check_chunked and (args.prefill_chunk_size is None or not args.check):
         p.error("--check-chunked needs --check and --prefill-chunk-size")
-    model = models.CONFIGS[args.config]
-    if args.kv_format == kvf.FP8_DS_MLA and (model.kv_lora_rank, model.rope_dim) != (
-            kvf.LATENT_DIM, kvf.ROPE_DIM):
-        fits = sorted(n for n, c in models.CONFIGS.items()
-                      if (c.kv_lora_rank, c.rope_dim) == (kvf.LATENT_DIM, kvf.ROPE_DIM))
-        p.error(f"--kv-format {args.kv_format} stores rows of {kvf.LATENT_DIM} latent + "
-                f"{kvf.ROPE_DIM} rope values; --config {args.config} has "
-                f"{model.kv_lora_rank} + {model.rope_dim} (use --config {' or '.join(fits)})")
-    if args.index_group_size is not None and model.num_layers % args.index_group_size:
-        p.error(f"--index-group-size {args.index_group_size} must divide the {args.config} "
-                f"config's {model.num_layers} layers (index groups hold whole layers)")
-    top_k = args.top_k if args.top_k is not None else model.top_k
-    if args.hot_size is not None and args.hot_size < (1 + k) * top_k:
-        p.error(f"--hot-size {args.hot_size} must be >= (1 + --speculative-tokens {k}) x "
-                f"top_k {top_k} (--top-k, or the {args.config} config's): the hot region "
-                f"takes a whole step's misses")
+    check_model_rules(p, args, model_facts(p, args))
     if args.hot_size is not None and args.hot_size > MAX_HOT_SIZE:
         p.error(f"--hot-size {args.hot_size} must be <= {MAX_HOT_SIZE} (hot slot ids are "
                 f"int16)")
@@ -324,6 +362,138 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if reason:
             p.error(f"--json {args.json}: {reason} (the record is written when the run ends, "
                     f"so the path must be a writable file in an existing folder)")
+
+
+def check_model_rules(p: argparse.ArgumentParser, args: argparse.Namespace,
+                      model: models.ModelConfig | models.ModelSpec) -> None:
+    """The rules between the flags and the served model's facts (`model_facts`)."""
+    k = args.speculative_tokens
+    source = f"--config {args.config}" if args.model is None else f"--model {args.model}"
+    if args.kv_format == kvf.FP8_DS_MLA and (model.kv_lora_rank, model.rope_dim) != (
+            kvf.LATENT_DIM, kvf.ROPE_DIM):
+        fits = sorted(n for n, c in models.CONFIGS.items()
+                      if (c.kv_lora_rank, c.rope_dim) == (kvf.LATENT_DIM, kvf.ROPE_DIM))
+        p.error(f"--kv-format {args.kv_format} stores rows of {kvf.LATENT_DIM} latent + "
+                f"{kvf.ROPE_DIM} rope values; {source} has "
+                f"{model.kv_lora_rank} + {model.rope_dim}"
+                + (f" (use --config {' or '.join(fits)})" if args.model is None else ""))
+    if args.index_group_size is not None and model.num_layers % args.index_group_size:
+        p.error(f"--index-group-size {args.index_group_size} must divide the {args.config} "
+                f"config's {model.num_layers} layers (index groups hold whole layers)")
+    top_k = args.top_k if args.top_k is not None else model.top_k
+    if args.hot_size is not None and args.hot_size < (1 + k) * top_k:
+        owner = (f"the {args.config} config's" if args.model is None
+                 else "--model's index_topk")
+        p.error(f"--hot-size {args.hot_size} must be >= (1 + --speculative-tokens {k}) x "
+                f"top_k {top_k} (--top-k, or {owner}): the hot region "
+                f"takes a whole step's misses")
+    if args.model is not None and k and args.acceptance_rate is None and not model.has_draft:
+        p.error(f"--speculative-tokens {k} drafts with the model's MTP layer; --model "
+                f"{args.model} has none (config.json num_nextn_predict_layers is 0; "
+                f"--acceptance-rate R drafts without one)")
+
+
+def check_model_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--model, --dtype, --prompt and --prompt-ids: their rules, the checkpoint folder opened
+    (config.json, every safetensors header; no weight read) and the prompts encoded. Given
+    prompts set args.requests and args.prompt_len to their number and the longest one."""
+    if args.model is None:
+        for flag, value in (("--dtype", args.dtype), ("--prompt", args.prompt)):
+            if value is not None:
+                p.error(f"{flag} needs --model (a checkpoint folder"
+                        + ("; its tokenizer.json encodes the text)" if flag == "--prompt"
+                           else ")"))
+    else:
+        if "config" in args.given:
+            p.error("--model and --config exclude each other (--model serves the "
+                    "checkpoint's own config; --config picks a random model)")
+        for flag, value in (("--top-k", args.top_k),
+                            ("--index-group-size", args.index_group_size)):
+            if value is not None:
+                p.error(f"{flag} overrides a random --config model's setting; --model "
+                        f"{args.model} keeps its config.json's (index_topk, indexer types)")
+        try:
+            open_checkpoint(args.model).close()
+        except ValueError as e:
+            p.error(f"--model: {one_line(e)}")
+    if args.prompt is not None and args.prompt_ids is not None:
+        p.error("--prompt and --prompt-ids exclude each other (one kind of prompt per run)")
+    if args.prompt is None and args.prompt_ids is None:
+        return
+    for dest in ("requests", "prompt_len"):
+        if dest in args.given:
+            p.error(f"--{dest.replace('_', '-')} sizes random prompts; with --prompt / "
+                    f"--prompt-ids the requests are the prompts given (one per flag)")
+    prompts = request_prompts(p, args)
+    args.requests, args.prompt_len = len(prompts), max(map(len, prompts))
+
+
+@functools.cache
+def _tokenizer(folder: str) -> Tokenizer | None:
+    return load_tokenizer(folder)
+
+
+def model_tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tokenizer:
+    """--model's tokenizer, which --prompt needs (`p.error` naming --prompt without one)."""
+    try:
+        tokenizer = _tokenizer(args.model)
+    except (ImportError, ValueError) as e:
+        p.error(f"--prompt: {one_line(e)}")
+    if tokenizer is None:
+        p.error(f"--prompt needs a tokenizer: --model {args.model} has no tokenizer.json (give "
+                f"token ids with --prompt-ids instead)")
+    return tokenizer
+
+
+def request_prompts(p: argparse.ArgumentParser, args: argparse.Namespace
+                    ) -> list[list[int]] | None:
+    """The token ids of the --prompt / --prompt-ids prompts (None: random prompts), each
+    checked: at least one token, ids below the model's vocab size, and the prompt plus
+    --gen-len new tokens within --max-model-len."""
+    if args.prompt is not None:
+        flag, given = "--prompt", args.prompt
+        tokenizer = model_tokenizer(p, args)
+        prompts = [tokenizer.encode(text) for text in given]
+    elif args.prompt_ids is not None:
+        flag, given = "--prompt-ids", [",".join(map(str, ids)) for ids in args.prompt_ids]
+        prompts = args.prompt_ids
+    else:
+        return None
+    vocab = model_facts(p, args).vocab_size
+    for text, ids in zip(given, prompts, strict=True):
+        shown = repr(text if len(text) <= 40 else text[:37] + "...")
+        if not ids:
+            p.error(f"{flag} {shown} encodes to no tokens")
+        if max(ids) >= vocab:
+            p.error(f"{flag} {shown}: token id {max(ids)} is not below the model's vocab size "
+                    f"{vocab}")
+        if len(ids) + args.gen_len > args.max_model_len:
+            p.error(f"{flag} {shown}: {len(ids)} tokens + --gen-len {args.gen_len} = "
+                    f"{len(ids) + args.gen_len} exceeds --max-model-len {args.max_model_len}")
+    return prompts
+
+
+def checkpoint_spec(args: argparse.Namespace) -> models.ModelSpec:
+    """The `ModelSpec` of the checkpoint at --model from its config.json alone (`DSAConfig`,
+    the served model's `dsa_spec`): what the checks and the engine's sizes need before any
+    weight is read."""
+    from hisparse_jax.models.dsa import dsa_spec
+    from hisparse_jax.models.dsa_config import DSAConfig
+
+    with open(os.path.join(args.model, CONFIG_FILE), encoding="utf-8") as f:
+        return dsa_spec(DSAConfig.from_hf(json.load(f), dtype=args.dtype))
+
+
+def model_facts(p: argparse.ArgumentParser, args: argparse.Namespace
+                ) -> models.ModelConfig | models.ModelSpec:
+    """The served model's static facts for the flags' rules: the --config entry, or --model's
+    `checkpoint_spec` (`p.error` naming --model when its config.json is refused)."""
+    if args.model is None:
+        return models.CONFIGS[args.config]
+    try:
+        return checkpoint_spec(args)
+    except (ValueError, TypeError, KeyError, ImportError) as e:
+        p.error(f"--model {args.model}: {one_line(e)}")
 
 
 def unwritable(path: str) -> str | None:
@@ -355,7 +525,8 @@ def device_memory() -> tuple[int, str]:
     return available_ram_bytes(), "of RAM available (the CPU device's memory)"
 
 
-def check_pools(args: argparse.Namespace, cfg: models.ModelConfig, ec: EngineConfig) -> None:
+def check_pools(args: argparse.Namespace, cfg: models.ModelConfig | models.ModelSpec,
+                ec: EngineConfig) -> None:
     """The engine's rules on the pool sizes of `ec`, before any model or engine is built
     (ValueError naming the setting, as the engine would raise): the device KV caches fit the
     device's memory; the host pool fits 95% of the available RAM; the host tier accepts the
@@ -395,9 +566,11 @@ def check_pools(args: argparse.Namespace, cfg: models.ModelConfig, ec: EngineCon
 # ------------------------------------------------------------------ engine
 
 
-def model_config(args: argparse.Namespace) -> models.ModelConfig:
+def model_config(args: argparse.Namespace) -> models.ModelConfig | models.ModelSpec:
     """The model's config; with speculation (MTP drafts) it also has an MTP module (the main
-    model's parameters do not change with it)."""
+    model's parameters do not change with it). With --model: the checkpoint's `ModelSpec`."""
+    if args.model is not None:
+        return checkpoint_spec(args)
     overrides = {} if args.top_k is None else {"top_k": args.top_k}
     if args.index_group_size is not None:
         overrides["index_group_size"] = args.index_group_size
@@ -406,7 +579,7 @@ def model_config(args: argparse.Namespace) -> models.ModelConfig:
     return models.get_config(args.config, **overrides)
 
 
-def engine_config(args: argparse.Namespace, cfg: models.ModelConfig, *,
+def engine_config(args: argparse.Namespace, cfg: models.ModelConfig | models.ModelSpec, *,
                   all_resident: bool, reference: bool = False) -> EngineConfig:
     """The EngineConfig of one mode (sizes derived from the flags; builds nothing);
     `reference`: the --check engine, which prefills in one shot (and schedules
@@ -459,17 +632,25 @@ def refusal(error: BaseException, what: str) -> str:
     return f"{what}: {text}" + (f" (set by {', '.join(flags)})" if flags else "")
 
 
-def build_engine(args: argparse.Namespace, model, ec: EngineConfig) -> Engine:
-    """The engine of `ec` with the run's requests queued (raises ValueError / CapacityError
-    for a configuration or request it refuses)."""
+def build_engine(args: argparse.Namespace, model, ec: EngineConfig,
+                 prompts: list[list[int]] | None = None,
+                 stop_token_ids: tuple[int, ...] = ()) -> Engine:
+    """The engine of `ec` with the run's requests queued: `prompts`, or --requests random ones
+    drawn from --seed (raises ValueError / CapacityError for a configuration or request it
+    refuses)."""
     engine = Engine(model, ec)
     cfg = engine.model_config
     try:
         rng = np.random.default_rng(args.seed)
-        for _ in range(args.requests):
-            length = int(rng.integers(max(1, args.prompt_len * 3 // 4), args.prompt_len + 1))
-            engine.add_request(rng.integers(0, cfg.vocab_size, length).tolist(),
-                               max_new_tokens=args.gen_len, temperature=args.temperature)
+        for i in range(args.requests):
+            if prompts is None:
+                length = int(rng.integers(max(1, args.prompt_len * 3 // 4),
+                                          args.prompt_len + 1))
+                prompt = rng.integers(0, cfg.vocab_size, length).tolist()
+            else:
+                prompt = prompts[i]
+            engine.add_request(prompt, max_new_tokens=args.gen_len,
+                               temperature=args.temperature, stop_token_ids=stop_token_ids)
     except BaseException:
         engine.close()
         raise
@@ -562,6 +743,32 @@ def print_summary(engines: list[Engine]) -> None:
     print(line)
 
 
+def print_outputs(engine: Engine, given: bool, tokenizer: Tokenizer | None) -> None:
+    """Random prompts: the first request's last prompt tokens and first generated ones. Given
+    prompts: every request's output in request order, decoded (--prompt) or as ids."""
+    if not given:
+        first = next(iter(engine.finished.values()))
+        print(f"request {first.request_id}: prompt[-8:] {list(first.prompt[-8:])} -> generated "
+              f"{first.generated[:16]}{' ...' if len(first.generated) > 16 else ''}")
+        return
+    for rid, r in sorted(engine.finished.items()):
+        if tokenizer is None:
+            print(f"request {rid} ({r.finish_reason}): {list(r.generated)}")
+        else:
+            print(f"--- request {rid} ({r.finish_reason}, {len(r.generated)} tokens)")
+            print(tokenizer.decode(r.generated, skip_special_tokens=True))
+
+
+def load_model(args: argparse.Namespace, cfg: models.ModelConfig | models.ModelSpec):
+    """The served model: --model's checkpoint (`models.from_pretrained`, weights read now),
+    else a random model of `cfg` drawn from --seed."""
+    if args.model is None:
+        return models.init_model(cfg, seed=args.seed)
+    from hisparse_jax.models import from_pretrained
+
+    return from_pretrained(args.model, dtype=args.dtype)
+
+
 def write_json(args: argparse.Namespace, engines: list[Engine], same: bool | None) -> None:
     """--json: the flags, each mode's summary (`Engine.summary`), its generated tokens per
     request (to compare runs of other processes, e.g. under other XLA flags) and --check's
@@ -597,12 +804,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             p.error(refusal(e, "the engine refused this configuration"))
 
-    model = models.init_model(cfg, seed=args.seed)
+    prompts = request_prompts(p, args)
+    tokenizer = model_tokenizer(p, args) if args.prompt is not None else None
+    model = load_model(args, cfg)
     engines: list[Engine] = []
     try:
         for ec in configs:
             try:
-                engine = build_engine(args, model, ec)
+                engine = build_engine(args, model, ec, prompts,
+                                      tokenizer.eos_token_ids if tokenizer else ())
             except (ValueError, CapacityError) as e:
                 p.error(refusal(e, "the engine refused this configuration"))
             engines.append(engine)
@@ -614,9 +824,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             run(args, engine)
         print_summary(engines)
-        first = next(iter(engines[0].finished.values()))
-        print(f"request {first.request_id}: prompt[-8:] {list(first.prompt[-8:])} -> generated "
-              f"{first.generated[:16]}{' ...' if len(first.generated) > 16 else ''}")
+        print_outputs(engines[0], prompts is not None, tokenizer)
         same = None
         if len(engines) == 2:
             line, same = compare_tokens(engines[0].finished, engines[1].finished,

@@ -112,6 +112,12 @@ def test_single_file_checkpoint(tmp_path):
             ck.read("missing", np.float32)
         with pytest.raises(ValueError, match=r"no tensor named 'missing'"):
             ck.shape("missing")
+        kept = [ck.read("w", np.float32), ck.read("w"), ck.read("b", np.float32)]
+    # reads are copies: writable, and alive after the files are closed
+    assert all(a.flags.writeable and a.flags.owndata for a in kept)
+    assert _same(kept[0], w) and _same(kept[1], w)
+    with pytest.raises(ValueError, match=r"model.safetensors: file is closed"):
+        ck.read("w", np.float32)
 
 
 def _sharded(tmp_path, shards: dict[str, dict[str, np.ndarray]], weight_map=None):

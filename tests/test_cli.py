@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from examples import decode
 from hisparse_jax import models
 from hisparse_jax.engine import EngineConfig
+from hisparse_jax.models.checkpoint import save_safetensors
 from host_tier import CapacityError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -442,3 +445,146 @@ def test_json_record_of_a_checked_run_feeds_the_startup_benchmark(tmp_path, caps
         f = figures["modes"][mode]
         assert f["warmup_s"] > 0 and f["decode_step_ms"] > 0
         assert f["compile_while_serving_s"] == 0.0  # the warm-up reached every bucket
+
+
+# ------------------------------------------------------------------ --model, --prompt, --prompt-ids
+
+
+@pytest.fixture
+def no_load(monkeypatch, no_work):
+    """Neither a random model nor a checkpoint may be built: the flags had to be refused."""
+    def boom(*args, **kwargs):
+        pytest.fail("a bad argument reached models.from_pretrained (work ran before the check)")
+    monkeypatch.setattr(models, "from_pretrained", boom, raising=False)
+
+
+def _checkpoint(folder, config=None, tokenizer=False):
+    """A checkpoint folder the flag checks accept (config.json, one tiny safetensors file);
+    its weights are never read here."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or {"model_type": "deepseek_v32"}))
+    save_safetensors(folder / "model.safetensors", {"w": np.zeros(2, np.float32)})
+    if tokenizer:
+        tk = pytest.importorskip("tokenizers")
+        vocab = {"[UNK]": 0, "<eos>": 1, "<bos>": 2, "hello": 3, "world": 4}
+        tok = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+        tok.decoder = tk.decoders.WordPiece()
+        tok.add_special_tokens(["<eos>", "<bos>"])
+        tok.post_processor = tk.processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", 2)])
+        tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+@pytest.fixture
+def tiny_checkpoint_spec(monkeypatch):
+    """--model's facts (checkpoint_spec, read from config.json) stand in as the tiny model's,
+    so the prompt rules run without a real checkpoint's config."""
+    spec = models.model_spec(models.get_config("tiny"))
+    monkeypatch.setattr(decode, "checkpoint_spec", lambda args: spec)
+    return spec
+
+
+MODEL_REFUSALS = [
+    (lambda d: ["--model", str(d / "nowhere")], ["--model", "nowhere", "does not exist"]),
+    (lambda d: ["--model", str(d)], ["--model", "has no config.json"]),
+    (lambda d: ["--dtype", "bfloat16"], ["--dtype needs --model"]),
+    (lambda d: ["--prompt", "hello"], ["--prompt needs --model"]),
+    (lambda d: ["--model", _checkpoint(d / "c"), "--config", "tiny"],
+     ["--model and --config exclude each other"]),
+    (lambda d: ["--model", _checkpoint(d / "c"), "--top-k", "4"], ["--top-k", "--model"]),
+    (lambda d: ["--model", _checkpoint(d / "c"), "--index-group-size", "1"],
+     ["--index-group-size", "--model"]),
+    (lambda d: ["--model", _checkpoint(d / "c"), "--prompt", "hello"],
+     ["--prompt needs a tokenizer", "no tokenizer.json"]),
+    (lambda d: ["--model", _checkpoint(d / "c"), "--prompt", "a", "--prompt-ids", "1"],
+     ["--prompt and --prompt-ids exclude each other"]),
+    (lambda d: ["--prompt-ids", "1,2", "--requests", "3"], ["--requests sizes random prompts"]),
+    (lambda d: ["--prompt-ids", "1,2", "--prompt-len", "3"], ["--prompt-len sizes random"]),
+    (lambda d: ["--prompt-ids", "1,600"], ["--prompt-ids '1,600'", "token id 600",
+                                           "vocab size 512"]),
+    (lambda d: ["--prompt-ids", ",".join(["1"] * 100)], ["--prompt-ids", "100 tokens",
+                                                         "--gen-len 48", "--max-model-len 128"]),
+]
+
+
+@pytest.mark.parametrize("argv, names", MODEL_REFUSALS, ids=[n[0] for _, n in MODEL_REFUSALS])
+def test_model_and_prompt_flags_are_checked_before_any_work(argv, names, tmp_path, capsys,
+                                                             no_load):
+    line = refused(argv(tmp_path), capsys)
+    for name in names:
+        assert name in line
+
+
+def test_model_folder_without_weights_is_refused(tmp_path, capsys, no_load):
+    (tmp_path / "config.json").write_text("{}")
+    line = refused(["--model", str(tmp_path)], capsys)
+    assert "--model" in line and "neither model.safetensors nor" in line
+
+
+def test_model_config_refused_names_model(tmp_path, capsys, no_load):
+    """A config.json the model's config refuses (here an unsupported model_type) stops at the
+    flag checks with one line naming --model."""
+    folder = _checkpoint(tmp_path / "c", {"model_type": "llama"})
+    line = refused(["--model", folder], capsys)
+    assert line.startswith(f"{PROG}: error: --model {folder}: ")
+
+
+def test_bad_prompt_ids_are_refused_at_parsing(capsys, no_load):
+    for value in ("1,x", "", "1,,2", "-1", "1.5"):
+        line = refused(["--prompt-ids", value], capsys)
+        assert "argument --prompt-ids: must be comma-separated token ids" in line
+
+
+def test_given_prompts_set_requests_and_prompt_len(no_load):
+    p = decode.build_parser()
+    args = p.parse_args(["--prompt-ids", "1,2,3", "--prompt-ids", " 4 ,5"])
+    decode.check_args(p, args)
+    assert args.prompt_ids == [[1, 2, 3], [4, 5]]
+    assert (args.requests, args.prompt_len) == (2, 3)
+    assert decode.request_prompts(p, args) == [[1, 2, 3], [4, 5]]
+
+
+def test_given_flags_are_told_apart_from_defaults():
+    p = decode.build_parser()
+    assert p.parse_args([]).given == ()
+    args = p.parse_args(["--config", "tiny", "--requests", "6", "--prompt-len", "64"])
+    assert args.given == ("config", "prompt_len", "requests")
+    assert (args.config, args.requests, args.prompt_len) == ("tiny", 6, 64)
+    assert decode.token_ids("7, 8,9") == [7, 8, 9]
+    with pytest.raises(argparse.ArgumentTypeError):
+        decode.token_ids("7;8")
+
+
+def test_text_prompts_are_encoded_by_the_tokenizer(tmp_path, no_load, tiny_checkpoint_spec):
+    folder = _checkpoint(tmp_path / "c", tokenizer=True)
+    p = decode.build_parser()
+    args = p.parse_args(["--model", folder, "--prompt", "hello world", "--prompt", "world"])
+    decode.check_args(p, args)
+    assert decode.request_prompts(p, args) == [[2, 3, 4], [2, 4]]
+    assert (args.requests, args.prompt_len) == (2, 3)
+    assert decode.model_config(args) is tiny_checkpoint_spec
+
+
+def test_model_run_decodes_text_prompts(tmp_path, monkeypatch, capsys, tiny_checkpoint_spec):
+    """The --model path end to end, with the tiny random model standing in for the checkpoint
+    (from_pretrained) and its spec for the config's: the tokenizer encodes the prompts, the
+    engine decodes them, and each request's output is printed decoded."""
+    folder = _checkpoint(tmp_path / "c", {"model_type": "deepseek_v32", "eos_token_id": 1},
+                         tokenizer=True)
+    loaded = []
+
+    def fake_from_pretrained(path, *, dtype=None):
+        loaded.append((path, dtype))
+        return models.init_model("tiny")
+
+    monkeypatch.setattr(models, "from_pretrained", fake_from_pretrained, raising=False)
+    rc = decode.main(["--model", folder, "--dtype", "float32", "--prompt", "hello world",
+                      "--prompt", "world hello world", "--gen-len", "4", "--max-model-len", "16",
+                      "--all-resident", "--no-warmup", "--no-compile-cache"])
+    assert rc == 0
+    assert loaded == [(folder, "float32")]
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("--- request ")]
+    assert len(heads) == 2 and heads[0].startswith("--- request 0 (")

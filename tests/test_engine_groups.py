@@ -20,6 +20,7 @@ from hisparse_jax.cache import PendingLookup
 from hisparse_jax.engine import (
     AllResident,
     Debug,
+    Engine,
     EngineConfig,
     HiSparse,
     NaiveOffload,
@@ -29,6 +30,7 @@ from hisparse_jax.engine import (
 )
 from hisparse_jax.models.protocol import DecodeCache, ModelSpec
 from hisparse_jax.topk_sources import DriftTopK
+from host_tier import HostPool
 from tests.engine_runs import run_prompts
 
 VOCAB, HIDDEN, HEADS, W, TOP_K = 64, 32, 2, 16, 8
@@ -156,9 +158,6 @@ def test_uneven_groups_under_pressure_decode_what_all_resident_decodes(groups):
 
 
 def test_a_packed_host_pool_must_hold_whole_groups_of_unequal_size():
-    from hisparse_jax.engine import Engine
-    from host_tier import HostPool
-
     model = GroupedModel((2, 4), rngs=nnx.Rngs(0))
     config = EngineConfig(topk_source=DriftTopK(), sizes=Sizes(
         max_seats=2, max_model_len=MAX_LEN, block_size=4), prefill=PrefillPolicy(synthetic=True))

@@ -307,10 +307,11 @@ class Checkpoint:
             scale = self._where[name + SCALE_SUFFIX].view(name + SCALE_SUFFIX)
             out = dequantize_blocks(self._where[name].view(name), scale,
                                     _block_size(self.config), name)
-        else:
-            self._entry(name)
-            out = self._where[name].array(name)
-        return out if dtype is None else out.astype(dtype, copy=False)
+            return out if dtype is None else out.astype(dtype, copy=False)
+        self._entry(name)
+        if dtype is None:
+            return self._where[name].array(name)
+        return self._where[name].view(name).astype(dtype)   # one copy, straight from the map
 
     def close(self) -> None:
         for f in self._files:

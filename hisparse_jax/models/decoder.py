@@ -10,7 +10,8 @@ caches (`DecodeCache`). What a subclass provides:
     layers [offset_g, offset_g + n_g); its first layer (the leader) owns the indexer and
     the group's one lookup, the other layers attend over the leader's rows (DeepSeek-V3.2:
     groups of one layer; GLM-5: a "full" layer plus the "shared" layers after it).
-    `sm_scale` and `kv_lora_rank` (the value width) parameterise the attention.
+    `sm_scale` and `kv_lora_rank` (the value width) parameterise the attention. The
+    KV-cache handle's groups are the spec's (the engine builds it from `group_layers`).
   * `embed(tokens int32[T]) -> [T, H]`, `blocks` (one per layer), `final_norm`, `lm_head`
     (the logits are `lm_head(final_norm(x))` in float32), `index_dim` (the index-key width).
   * each block: `attn_norm`, `attn` (`project(x, positions) -> (q_resid, q, row)`,
@@ -42,13 +43,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hisparse_jax.cache import (
-    AllResident,
-    CacheBatch,
-    HiSparseKVCache,
-    PendingLookup,
-    layers_per_pool_array,
-)
+from hisparse_jax.cache import AllResident, CacheBatch, HiSparseKVCache, PendingLookup
+from hisparse_jax.index_groups import layers_per_pool_array
 from hisparse_jax.models.protocol import DecodeBatch, DecodeCache, ModelSpec
 from hisparse_jax.ops import stage_prefill_rows
 
@@ -62,39 +58,13 @@ def layer_roles(group_layers: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((g, m) for g, n in enumerate(group_layers) for m in range(n))
 
 
-def group_layer_slice(spec: ModelSpec, group: int) -> slice:
-    """The layers of index group `group`: [offset_g, offset_g + n_g)."""
-    start = sum(spec.group_layers[:group])
-    return slice(start, start + spec.group_layers[group])
-
-
-def group_pools(batch: CacheBatch, spec: ModelSpec, group: int) -> tuple[jax.Array, ...]:
-    """The host pool arrays (`batch.host_pools`) holding index group `group`'s layers: one
-    array per layer, or one per G consecutive layers side by side (G dividing every group's
-    size and offset).
-
-    Raises:
-      ValueError: the arrays do not split the layers into whole groups.
-    """
-    pack = check_pool_arrays(len(batch.host_pools), spec)
-    layers = group_layer_slice(spec, group)
-    return batch.host_pools[layers.start // pack:layers.stop // pack]
-
-
 def check_pool_arrays(num_arrays: int, spec: ModelSpec) -> int:
     """G, the layers each of a host pool's `num_arrays` arrays holds side by side (1: one
     array per layer); ValueError when the arrays do not split the layers into whole index
-    groups (the rule of `hisparse_jax.cache.layers_per_pool_array`)."""
-    if len(set(spec.group_layers)) == 1:
-        return layers_per_pool_array(num_arrays, spec.num_layers, spec.group_layers[0])
-    L = spec.num_layers
-    pack = L // num_arrays if num_arrays and L % num_arrays == 0 else 0
-    if not pack or any(n % pack for n in spec.group_layers):
-        raise ValueError(
-            f"host_pools has {num_arrays} arrays for {L} layers in index groups of "
-            f"{spec.group_layers}; the rule is one array per layer, or one per G layers with "
-            "G dividing every index group's size")
-    return pack
+    groups (`hisparse_jax.index_groups.layers_per_pool_array`)."""
+    groups = spec.group_layers
+    return layers_per_pool_array(num_arrays, spec.num_layers,
+                                 groups[0] if len(set(groups)) == 1 else groups)
 
 
 # --------------------------------------------------------------------------- the skeleton
@@ -276,7 +246,9 @@ class SparseDecoder(nnx.Module):
         each layer attends over its compact array, the same values in the same order per
         query row as the resident read (and the KV array stays far below the attention
         kernel's 2^31-element limit, whatever the chunk). aux gains "staged_rows_host" /
-        "staged_rows_device" (int32: rows per layer, summed over the groups).
+        "staged_rows_device": the rows staged (counted once per group, not per layer of the
+        group), int32 summed over the groups when they are of equal size, else
+        int32[num_groups] (the engine weighs each group's rows by its layer count).
         """
         T = tokens.shape[0]
         pos = start + jnp.arange(T, dtype=jnp.int32)
@@ -318,7 +290,7 @@ class SparseDecoder(nnx.Module):
         x = self.embed(tokens)
         attn = []
         rows = staged = None
-        counts = [jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)]
+        from_host, from_device = [], []  # staged rows per index group
         roles = layer_roles(spec.group_layers)
         for layer, block in enumerate(self.blocks):
             g, member = roles[layer]
@@ -341,10 +313,10 @@ class SparseDecoder(nnx.Module):
                     kv, found = AllResident().lookup(kv, g, topk, pages_batch)
                     rows = found.attention_rows
                     if staging:
-                        staged, from_device, from_host = _stage_group(
-                            kv, spec, g, topk, rows, pos[0], pages_batch,
-                            index_keys[g].shape[1])
-                        counts = [counts[0] + from_host, counts[1] + from_device]
+                        staged, device_rows, host_rows = _stage_group(
+                            kv, g, topk, rows, pos[0], pages_batch, index_keys[g].shape[1])
+                        from_host.append(host_rows)
+                        from_device.append(device_rows)
             if staged is not None:
                 stored, attend_rows = _staged_read(kv.caches[layer], staged, member)
             else:
@@ -357,7 +329,8 @@ class SparseDecoder(nnx.Module):
             x = self._finish(x, block, out)
         aux = {"attention": jnp.stack(attn)} if collect_attention else {}
         if staging:
-            aux["staged_rows_host"], aux["staged_rows_device"] = counts
+            aux["staged_rows_host"] = _per_group(from_host, spec)
+            aux["staged_rows_device"] = _per_group(from_device, spec)
         new_cache = DecodeCache(kv, tuple(index_keys))
         if every_position:
             return self.logits(x), new_cache, aux
@@ -372,6 +345,13 @@ def external_topk(batch: DecodeBatch, group: int) -> jax.Array:
     topk = batch.topk[group]
     keep = (topk <= kvb.positions[:, None]) & kvb.live[:, None]
     return jnp.where(keep, topk, -1)
+
+
+def _per_group(counts: list[jax.Array], spec: ModelSpec) -> jax.Array:
+    """Staged-row counts of each index group: their int32 sum when the groups are of equal
+    size (every row weighs the same), else int32[num_groups]."""
+    counts = jnp.stack(counts).astype(jnp.int32)
+    return counts.sum() if len(set(spec.group_layers)) == 1 else counts
 
 
 def _decode_select(indexer: nnx.Module, keys: jax.Array, h: jax.Array, q_resid: jax.Array,
@@ -408,8 +388,8 @@ class _Staged:
     start: jax.Array
 
 
-def _stage_group(kv: HiSparseKVCache, spec: ModelSpec, group: int, topk: jax.Array,
-                 rows: jax.Array, start: jax.Array, batch: CacheBatch, max_len: int
+def _stage_group(kv: HiSparseKVCache, group: int, topk: jax.Array, rows: jax.Array,
+                 start: jax.Array, batch: CacheBatch, max_len: int
                  ) -> tuple[_Staged, jax.Array, jax.Array]:
     """Gathers the rows a chunk's selection topk int32[T, K] reads (`rows`: their resident
     rows, -1 where not resident) into one compact array per layer of group `group`: the
@@ -439,9 +419,9 @@ def _stage_group(kv: HiSparseKVCache, spec: ModelSpec, group: int, topk: jax.Arr
     res_block = jnp.take(batch.res[0], page_of(positions))
     union_rows = jnp.where((positions >= 0) & (res_block > 0),
                            res_block * B + jnp.maximum(positions, 0) % B, -1)
-    caches = kv.caches[group_layer_slice(spec, group)]
+    caches = kv.caches[kv.group_slice(group)]
     out = stage_prefill_rows(
-        group_pools(batch, spec, group), caches,
+        kv.group_pools(group, batch), caches,
         tuple(jnp.zeros((M, cache.shape[-1]), cache.dtype) for cache in caches),
         jnp.where(positions < start, positions, -1), batch.src[0], batch.res[0],
         block_size=B, backend=kv.ops_backend)

@@ -122,7 +122,8 @@ def _scorer(graphdef: Any, padded: int):
             top_k=spec.top_k, hot_size=HiSparseConfig.default_hot_size(spec.top_k, B),
             block_size=B, max_num_reqs=1, row_width=spec.row_width, kv_dtype=spec.kv_dtype,
             max_model_len=pages * B, num_gpu_blocks=pages + 1)
-        kv = HiSparseKVCache.create(cfg, num_layers=spec.num_layers, residency=AllResident())
+        kv = HiSparseKVCache.create(cfg, num_layers=spec.num_layers, residency=AllResident(),
+                                    group_layers=spec.group_layers)
         cache = DecodeCache(kv, model.init_index_keys(1, pages * B, external_topk=False))
         rows = B + jnp.arange(padded, dtype=jnp.int32)       # block 0 is the null block
         logits, _ = model.prefill_every_position(cache, tokens, length, jnp.int32(0), rows)

@@ -8,7 +8,9 @@
 #        a before/after comparison on the same machine), decode_fp8 / e2e_fp8 (the decode
 #        check and bf16 against fp8_ds_mla KV rows at 1, 64, 256 requests), or one op benchmark:
 #        resolve_residency gather_compact mirror_rows invalidate_written_rows sparse_mla_decode
-#        stage_prefill_rows copies_beside_attention (`ops` runs them all); spec_gpu (the GPU-scale speculative exactness test),
+#        stage_prefill_rows copies_beside_attention (`ops` runs them all); grouped_matmul (the MoE's
+#        grouped matmul: its GPU tests, then bench/ops/grouped_matmul.py at DeepSeek-V3.2 decode
+#        shapes; not part of `ops`); spec_gpu (the GPU-scale speculative exactness test),
 #        decode_spec (the decode check with 2 MTP draft tokens per step), speculative (the
 #        speculative decoding benchmark, k = 0, 1, 2 at acceptance 0.6 / 0.8 / 0.9), profile
 #        (host phases and device profile of one step: HiSparse at 256 and 64, all-resident),
@@ -246,6 +248,12 @@ run_step() {  # name, time limit in s, command...
       ' ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
+      # The MoE's grouped matmul: its GPU tests (G = 256, skewed and empty groups, one 15 GB
+      # DeepSeek-V3.2 weight stack), then every backend, the Triton variants and XLA's
+      # ragged-dot fusion flag (a subprocess: hence no preallocation) at the decode shapes.
+      grouped_matmul)
+        run_step grouped_matmul_tests 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/ops/test_grouped_matmul.py
+        XLA_PYTHON_CLIENT_PREALLOCATE=false run_step grouped_matmul 540 python3 -m bench.ops.grouped_matmul ;;
       resolve_residency|gather_compact|mirror_rows|invalidate_written_rows|sparse_mla_decode|stage_prefill_rows|copies_beside_attention)
         run_step "$step" 250 python3 -m bench.ops."$step" ;;
       *) echo "unknown step $step" ;;

@@ -8,6 +8,8 @@
   stage_prefill_rows/        reference.py, triton.py  (a prefill chunk's selected rows into
                                                         every layer's staging buffer, one launch)
   sparse_mla_decode/         reference.py, triton.py, mosaic_gpu.py (jax >= 0.11 only)
+  grouped_matmul/            reference.py, triton.py, mosaic_gpu.py (jax's Hopper kernel,
+                                                        wrapped; Hopper GPUs only)
 
 In each module the entry function is named after the op and takes the arguments of the
 reference; a kernel module adds the keywords `interpret` (True off the GPU: the same kernel

@@ -11,6 +11,9 @@
   sparse_mla_decode.py        attention candidates (ATTENTION_VARIANTS, ...) vs the reference
   copies_beside_attention.py  another layer's copies in the attention's launch vs the copy
                               kernel then the attention kernel, at 256 requests
+  grouped_matmul.py           the MoE's grouped matmul at DeepSeek-V3.2 decode shapes: every
+                              backend, Triton variants, XLA's ragged-dot fusion flag, the
+                              weight-read floor (not in `python3 -m bench.ops`: gpu_suite step)
 
 Run one: `PYTHONPATH=. python3 -m bench.ops.<op>`; all within a time budget:
 `PYTHONPATH=. python3 -m bench.ops [--budget S] [op ...]`. Each writes

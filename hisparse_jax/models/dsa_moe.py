@@ -13,11 +13,10 @@ the DeepSeek-V3 mixture of experts.
   Split over a mesh axis (`MoE.split_experts`, `expert_parallel`), each device of the axis
   multiplies by its own E / M experts only and the partial sums are added over the axis.
 
-`grouped_matmul` is the one place the experts' grouped matmuls run. `jax.lax.ragged_dot`
-does work in proportion to the pairs on a CPU; XLA's GPU compiler, unless a grouped-GEMM
-lowering is turned on (e.g. `--xla_gpu_experimental_use_ragged_dot_fusion` with a recent
-cuDNN), rewrites it into a dense dot over a per-expert masked copy of the rows, E times the
-work and an E-times temporary: a grouped-matmul kernel belongs here for large models.
+`grouped_matmul` is the one place the experts' grouped matmuls run: the op
+`hisparse_jax.ops.grouped_matmul`, whose registry picks the backend (`jax.lax.ragged_dot` off
+the GPU and for float32; on a GPU a Pallas kernel whose work follows the pairs, where XLA's
+own lowering of `ragged_dot` multiplies every expert's weights by a masked copy of all rows).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from hisparse_jax import ops
 from hisparse_jax.models.dsa_config import DSAConfig
 from hisparse_jax.models.synthetic_layers import as_dtype, linear
 from pallas_kernels import _compat
@@ -88,22 +88,25 @@ def choose_experts(scores: jax.Array, bias: jax.Array, cfg: DSAConfig) -> jax.Ar
     return experts.astype(jnp.int32)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   backend: str | None = None) -> jax.Array:
     """float32[M, N]: rows [start_e, start_e + group_sizes[e]) of lhs [M, K] times rhs[e]
-    [K, N], groups in order (sum(group_sizes) = M)."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    [K, N], groups in order (sum(group_sizes) = M), accumulated in float32
+    (`hisparse_jax.ops.grouped_matmul`; backend None: the registry's choice)."""
+    return ops.grouped_matmul(lhs, rhs, group_sizes, backend=backend)
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
-                   w_gate_up: jax.Array, w_down: jax.Array, *, out_dtype: Any = None
-                   ) -> jax.Array:
+                   w_gate_up: jax.Array, w_down: jax.Array, *,
+                   backend: str | None = None, out_dtype: Any = None) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) -> [T, H] in out_dtype (default:
     x's dtype; float32 returns the float32 sums unrounded).
 
     x [T, H]; weights float32[T, K]; experts int32[T, K]; w_gate_up [E, H, 2I] (gate then
     up), w_down [E, I, H]. The T * K token-expert pairs are sorted by expert and each
     expert's run multiplied by its weights in one grouped matmul (`grouped_matmul`), never
-    a loop over every expert. Each expert's output is rounded to x's dtype
+    a loop over every expert; `backend` picks its implementation (None: the op registry's
+    default). Each expert's output is rounded to x's dtype
     (as a per-expert matmul in that dtype would), weighted in float32 and summed per token in
     float32.
     """
@@ -114,19 +117,19 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     order = jnp.argsort(flat, stable=True)
     token = order // K
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    h = grouped_matmul(x[token], w_gate_up.astype(dt), sizes).astype(dt)
+    h = grouped_matmul(x[token], w_gate_up.astype(dt), sizes, backend=backend).astype(dt)
     gate, up = h[:, : I2 // 2], h[:, I2 // 2:]
     act = (jax.nn.silu(gate.astype(jnp.float32)).astype(dt).astype(jnp.float32)
            * up.astype(jnp.float32)).astype(dt)
-    y = grouped_matmul(act, w_down.astype(dt), sizes).astype(dt)
+    y = grouped_matmul(act, w_down.astype(dt), sizes, backend=backend).astype(dt)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
     return out.astype(dt if out_dtype is None else out_dtype)
 
 
 def expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array,
-                    w_gate_up: jax.Array, w_down: jax.Array, *, mesh: Any, axis: str
-                    ) -> jax.Array:
+                    w_gate_up: jax.Array, w_down: jax.Array, *, mesh: Any, axis: str,
+                    backend: str | None = None) -> jax.Array:
     """`routed_experts` with the expert stacks split over mesh axis `axis` (M devices, E / M
     consecutive experts each): [T, H] in x's dtype.
 
@@ -142,8 +145,9 @@ def expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array,
         n = w_gate_up.shape[0]
         first = jax.lax.axis_index(axis) * n
         mine = (experts >= first) & (experts < first + n)
-        part = routed_experts(x, jnp.where(mine, weights, 0.0), jnp.where(mine, experts - first, 0),
-                              w_gate_up, w_down, out_dtype=jnp.float32)
+        part = routed_experts(x, jnp.where(mine, weights, 0.0),
+                              jnp.where(mine, experts - first, 0), w_gate_up, w_down,
+                              backend=backend, out_dtype=jnp.float32)
         return jax.lax.psum(part, axis)
 
     split, whole = P(axis), P()

@@ -12,6 +12,8 @@
   sparse_mla_decode                attention over the selected flat rows (`attention.py`)
   sparse_mla_decode_with_copies    the same, and in the same launch another index group's
                                    copies from host (`gather_compact_group`) beside it
+  grouped_matmul                   rows sorted by group times their group's matrix: the
+                                   MoE's token-expert pairs times their experts (`moe.py`)
 
 Every op validates its arguments before any work (ValueError / TypeError naming the argument
 and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
@@ -32,6 +34,7 @@ from hisparse_jax.ops.copies import (
     restore_rows,
 )
 from hisparse_jax.ops.hot_region import Resolution, invalidate_written_rows, resolve_residency
+from hisparse_jax.ops.moe import grouped_matmul
 from hisparse_jax.ops.staging import StagedRows, stage_prefill_rows
 from pallas_kernels.kv_format import KV_FORMATS
 
@@ -42,6 +45,7 @@ __all__ = [
     "StagedRows",
     "gather_compact",
     "gather_compact_group",
+    "grouped_matmul",
     "invalidate_written_rows",
     "mirror_rows",
     "mirror_rows_group",

@@ -49,11 +49,14 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stage_prefill_rows": ("stage_prefill_rows", ("reference", "triton")),
     "sparse_mla_decode": ("sparse_mla_decode", ("reference", "triton", "mosaic_gpu")),
     "sparse_mla_decode_with_copies": ("sparse_mla_decode", ("reference", "triton")),
+    "grouped_matmul": ("grouped_matmul", ("reference", "triton", "mosaic_gpu")),
 }
 
 # What `backend=None` tries on a GPU, in order ("reference" always runs). The Mosaic GPU
 # attention kernel is registered but opt-in: the Triton one is faster
-# (`bench/NOTES-sparse_mla.md`).
+# (`bench/NOTES-sparse_mla.md`). So is jax's Mosaic GPU grouped matmul: it runs a full tile
+# for every group, empty or not (`pallas_kernels/grouped_matmul/mosaic_gpu.py`), where the
+# Triton kernel skips the empty ones.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "resolve_residency": ("triton", "reference"),
     "resolve_residency_mapped": ("triton", "reference"),
@@ -64,6 +67,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "stage_prefill_rows": ("triton", "reference"),
     "sparse_mla_decode": ("triton", "reference"),
     "sparse_mla_decode_with_copies": ("triton", "reference"),
+    "grouped_matmul": ("triton", "reference"),
 }
 
 

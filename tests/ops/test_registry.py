@@ -30,7 +30,7 @@ def test_vocabulary():
                                     "invalidate_written_rows",
                                     "gather_compact", "gather_compact_group", "mirror_rows",
                                     "stage_prefill_rows", "sparse_mla_decode",
-                                    "sparse_mla_decode_with_copies"}
+                                    "sparse_mla_decode_with_copies", "grouped_matmul"}
 
 
 def test_every_implementation_is_named_after_its_op():

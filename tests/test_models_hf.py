@@ -21,6 +21,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from hisparse_jax.draft_sources import MTPDraft
 from hisparse_jax.engine import (
@@ -98,17 +99,22 @@ def test_the_model_is_a_served_model_with_the_checkpoints_groups():
     drafts = dsv.draft(np.zeros((2, dsv.cfg.hidden_size), np.float32),
                        np.array([5, 7], np.int32), 3)
     assert drafts.shape == (2, 3) and drafts.dtype == np.int32
-    # Tensor parallelism: kernels on their output dim, experts on the expert dim, the
-    # router replicated; a model axis of 2 divides every split dim of the fixtures.
+    # Tensor parallelism: q_b_proj by heads (its output dim), o_proj on its input dim,
+    # experts on the expert dim; q_a_proj (shared by every head) and the router replicated;
+    # a model axis of 2 divides every split dim of the fixtures (docs/mesh.md, DSA models).
     rule = DSAModel.tensor_parallel_dim
-    assert rule("blocks.1.attn.wq_a.kernel", (64, 32)) == 1
+    assert rule("blocks.1.attn.wq_a.kernel", (64, 32)) is None
+    assert rule("blocks.1.attn.wq_b.kernel", (32, 128)) == 1
+    assert rule("blocks.1.attn.wo.kernel", (64, 64)) == 0
     assert rule("blocks.1.mlp.w_gate_up", (8, 64, 64)) == 0
     assert rule("blocks.1.mlp.w_down", (8, 32, 64)) == 0
     assert rule("blocks.1.mlp.router.kernel", (64, 8)) is None
     assert rule("blocks.1.attn.w_uk", (4, 16, 32)) == 0
     assert rule("final_norm.scale", (64,)) is None
     specs = param_specs(dsv, 2)
-    assert sum(any(axis is not None for axis in spec) for spec in specs) > len(specs) // 2
+    sizes = [x.size for x in jax.tree.leaves(nnx.state(dsv))]
+    split = sum(n for n, spec in zip(sizes, specs, strict=True) if any(spec))
+    assert split > sum(sizes) // 2  # most of the weights by size (norms etc. replicated)
 
 
 def _serve(name: str, kv_dtype: str, residency: str):

@@ -15,8 +15,10 @@ The mesh has two axes, `DATA` ("data", D shards) and `MODEL` ("model", M devices
   * The parameters are placed once over the whole mesh: replicated over "data"; over
     "model", each split on the dim the model's `tensor_parallel_dim` names (the synthetic
     model: dense kernels and the embedding on their output dim, the absorbed MLA
-    up-projections on their head dim; `param_specs`). Each shard's runner reads zero-copy
-    views of them.
+    up-projections on their head dim; `param_specs`); arrays already placed so (e.g.
+    `from_pretrained(..., mesh=)`) are used as they are. Each shard's runner reads
+    zero-copy views of them and runs the model's `for_mesh(shard devices, "model")` when
+    it has one (a DSA model's experts split over "model": `docs/mesh.md`).
   * The decode step is ONE `jax.jit` over the whole mesh (`MeshDecode`, `mesh_step.py`):
     the single-device step under `shard_map` with "data" manual and "model" left to the
     partitioner; its operands are global arrays assembled without copies from the shards'
@@ -81,6 +83,7 @@ from hisparse_jax.engine.step import (
     recover_parts,
 )
 from hisparse_jax.engine.warmup import reachable_variants
+from hisparse_jax.models.placement import partition_specs
 from hisparse_jax.models.protocol import ServedModel
 from host_tier import DeviceBlockTables, HostPool
 from host_tier.sizes import is_int
@@ -110,9 +113,23 @@ def make_mesh(mesh_shape: Sequence[int], devices: Sequence[jax.Device] | None = 
     return Mesh(np.array(devices, dtype=object).reshape(D, M), (DATA, MODEL))
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                    for k in path)
+def _placed(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """Parameter `leaf` under `sharding`: the array itself when it is placed so already
+    (e.g. `from_pretrained(..., mesh=)`: nothing copied or gathered), moved on the devices
+    when it is a global array placed otherwise, else built from its host value."""
+    if isinstance(leaf, jax.Array):
+        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+            return leaf
+        if not leaf.is_fully_addressable:
+            return jax.device_put(leaf, sharding)
+    return from_host(np.asarray(leaf), sharding)
+
+
+def _for_mesh(model: ServedModel, mesh: Mesh) -> ServedModel:
+    """The model a data shard's runner runs on its devices (`mesh`, axis `MODEL`): the
+    model's `for_mesh(mesh, MODEL)` (expert parallelism of a DSA model) when it has one."""
+    hook = getattr(model, "for_mesh", None)
+    return model if hook is None else hook(mesh, MODEL)
 
 
 def param_specs(model: Any, model_size: int) -> list[P]:
@@ -120,27 +137,14 @@ def param_specs(model: Any, model_size: int) -> list[P]:
     order of its `nnx.State`): the dim the model's `tensor_parallel_dim(path, shape)` names
     is split (`hisparse_jax.models.ServedModel`); every leaf is replicated when it names none
     or the model has no such method (the partitioner picks the activations' layout, so the
-    float rounding may differ from one device: `docs/mesh.md`).
+    float rounding may differ from one device: `docs/mesh.md`). The rule of
+    `hisparse_jax.models.placement.partition_specs`, which `from_pretrained(..., mesh=)`
+    places by.
 
     Raises:
       ValueError: `model_size` does not divide a dim it splits (naming the parameter).
     """
-    _, params = nnx.split(model)
-    rule = getattr(model, "tensor_parallel_dim", None)
-    specs = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = _path_name(path)
-        axis = None if rule is None else rule(name, tuple(leaf.shape))
-        if axis is None:
-            specs.append(P())
-            continue
-        if leaf.shape[axis] % model_size:
-            raise ValueError(f"the mesh's model axis ({model_size}) must divide dim {axis} of "
-                             f"parameter {name} {tuple(leaf.shape)} (its tensor-parallel split)")
-        spec = [None] * leaf.ndim
-        spec[axis] = MODEL
-        specs.append(P(*spec))
-    return specs
+    return partition_specs(model, model_size, MODEL)
 
 
 @dataclasses.dataclass
@@ -316,7 +320,7 @@ class MeshEngine(EngineFront):
         self.row_bytes = cfg.row_bytes
         self.metrics = Metrics()
         self._clock = StepClock(self.metrics)
-        self.params = [from_host(np.asarray(leaf), NamedSharding(mesh, spec))
+        self.params = [_placed(leaf, NamedSharding(mesh, spec))
                        for leaf, spec in zip(jax.tree.leaves(state), specs, strict=True)]
         self.known_ids: set[Hashable] = set()
         self.shards: list[_Shard] = []
@@ -354,7 +358,7 @@ class MeshEngine(EngineFront):
             owns = True
         try:
             manager, transfers = residency_parts(cfg, ec, pool, who=None, mirror_groups=False)
-            runner = Runner(model, ec, cfg, self.residency,
+            runner = Runner(_for_mesh(model, submesh), ec, cfg, self.residency,
                             tables=DeviceBlockTables.from_config(cfg, device=sharding),
                             transfers=transfers, host_pool=pool, device=sharding, params=params)
         except BaseException:

@@ -15,6 +15,7 @@ is [S, max_model_len, index_head_dim] (kv_dtype). With an MTP layer in the check
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 from flax import nnx
@@ -22,6 +23,7 @@ from flax import nnx
 from hisparse_jax.models.decoder import SparseDecoder
 from hisparse_jax.models.dsa_config import DSAConfig
 from hisparse_jax.models.dsa_layers import DSAMTP, DSABlock
+from hisparse_jax.models.dsa_moe import MoE
 from hisparse_jax.models.protocol import ModelSpec
 from hisparse_jax.models.synthetic_layers import RMSNorm, as_dtype, linear
 
@@ -65,20 +67,49 @@ class DSAModel(SparseDecoder):
 
     @staticmethod
     def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
-        """The dim a mesh's model axis splits: dense kernels [in, out] and the embeddings
-        [V, H] their last; the absorbed up-projections w_uk / w_uv [heads, ., .] their first
-        (heads); the stacked experts w_gate_up [E, H, 2I] / w_down [E, I, H] their first
-        (experts: the dim a mesh's expert parallelism would split). The MoE router (float32
-        [H, E], a small matmul whose top-k reads every expert), norms and biases are
-        replicated (None)."""
-        if ".router." in f".{path}.":
-            return None
-        if len(shape) == 2 and ("kernel" in path or "embedding" in path):
+        """The dim of parameter `path` ("blocks.1.attn.wq_b.kernel") that a mesh's model axis
+        splits (kernels are [in, out]):
+
+          * by attention heads: wq_b's output dim (q_b_proj: heads of nope + rope values,
+            consecutive), w_uk / w_uv [h, ., .] their first;
+          * o_proj (`wo`) and the SwiGLU `down` kernels (the dense MLP's, the shared
+            experts') on their input dim; the SwiGLU `gate` / `up` kernels, the output head
+            (lm_head, the MTP layer's head) on their output dim; embeddings [V, H] on H;
+          * the expert stacks w_gate_up [E, H, 2I] / w_down [E, I, H] on E (expert
+            parallelism: `MoE.split_experts`, `for_mesh`).
+
+        Replicated (None): what every device needs whole: wq_a and wkv_a (the KV row and
+        the indexer's query input are shared by every head; the KV cache is replicated over
+        the model axis), the indexer (its top-k sums over all its heads), the MoE router
+        (float32, its top-k reads every expert), the MTP layer's eh_proj, norms and biases.
+        """
+        names = [p for p in path.split(".") if p != "value"]
+        leaf, owner = names[-1], (names[-2] if len(names) > 1 else "")
+        if leaf in ("w_uk", "w_uv", "w_gate_up", "w_down") and len(shape) == 3:
+            return 0
+        if leaf == "embedding" and len(shape) == 2:
             return 1
-        if len(shape) == 3 and any(name in path for name in ("w_uk", "w_uv", "w_gate_up",
-                                                             "w_down")):
+        if leaf != "kernel" or len(shape) != 2 or "indexer" in names:
+            return None
+        if owner in ("wq_b", "gate", "up", "lm_head", "head"):
+            return 1
+        if owner in ("wo", "down"):
             return 0
         return None
+
+    def for_mesh(self, mesh: Any, axis: str) -> DSAModel:
+        """This model (the same parameter arrays, no copy) with every MoE's experts split
+        over mesh axis `axis` (`MoE.split_experts`): what `MeshEngine` serves. The model
+        itself when the axis has one device."""
+        if mesh.shape[axis] == 1:
+            return self
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, state)
+        blocks = [*model.blocks, *([model.mtp.block] if model.mtp is not None else [])]
+        for block in blocks:
+            if isinstance(block.mlp, MoE):
+                block.mlp.split_experts(mesh, axis)
+        return model
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hisparse_jax.cache import AllResident, HiSparseKVCache
 from hisparse_jax.config import HiSparseConfig
@@ -26,6 +27,7 @@ from hisparse_jax.models import dsa_weights
 from hisparse_jax.models.checkpoint import open_checkpoint
 from hisparse_jax.models.dsa import DSAModel
 from hisparse_jax.models.dsa_config import DSAConfig
+from hisparse_jax.models.placement import load_placed
 from hisparse_jax.models.protocol import DecodeCache
 
 # Rows per page of the cache `score` builds (any size serves: the sequence is all resident),
@@ -35,8 +37,8 @@ _SCORE_BLOCK = 16
 _SCORE_BUCKET = 64
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any = None
-                    ) -> DSAModel:
+def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any = None,
+                    mesh: Mesh | None = None) -> DSAModel:
     """The `DSAModel` of the checkpoint folder `path` (config.json + safetensors: contract of
     `checkpoint.open_checkpoint`).
 
@@ -46,6 +48,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any
     (float32 for the MoE router and its bias and the indexer's head weights, whatever dtype
     is).
 
+    mesh: a `jax.sharding.Mesh` with a "model" axis (`hisparse_jax.engine.mesh.make_mesh`):
+    each parameter is created directly over it, split over "model" on its
+    `DSAModel.tensor_parallel_dim` and replicated over the other axes, every device
+    getting only its slice (`placement.load_placed`: no device and no host buffer holds the
+    whole model); `MeshEngine` serves such a model over the same mesh as placed.
+
     Raises:
       ValueError: the folder is not a checkpoint (naming what is missing), its model_type is
         not a supported one (naming the supported ones), or its tensors are not the config's
@@ -54,7 +62,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = None, kv_dtype: Any
     with open_checkpoint(path) as ckpt:
         cfg = DSAConfig.from_hf(ckpt.config, dtype=dtype, kv_dtype=kv_dtype)
         model = nnx.eval_shape(lambda: DSAModel(cfg, rngs=nnx.Rngs(0)))
-        dsa_weights.load_into(model, ckpt.read, names=ckpt.names())
+        if mesh is None:
+            dsa_weights.load_into(model, ckpt.read, names=ckpt.names())
+        else:
+            load_placed(model, ckpt, mesh)
     _check_filled(model)
     return model
 

@@ -61,6 +61,10 @@ passed through from `EngineConfig`; `aux` is a dict of arrays):
   * `tensor_parallel_dim(path, shape)` (optional, `MeshEngine`): the dim of the parameter
     at `path` ("blocks.0.attn.wq_a.kernel") of `shape` that the mesh's model axis splits,
     or None (replicated). Without it every parameter is replicated.
+  * `for_mesh(mesh, axis)` (optional, `MeshEngine`): the model to run on `mesh` with its
+    parameters split over `axis` as `tensor_parallel_dim` says (a copy sharing the arrays,
+    e.g. with a mixture of experts' expert computation split over `axis`; static
+    configuration only). Without it the engine runs the model as it is.
 """
 
 from __future__ import annotations

@@ -28,13 +28,8 @@ from jax.sharding import Mesh
 
 from hisparse_jax.models import from_pretrained
 from hisparse_jax.models.dsa_moe import MoE
-from hisparse_jax.models.placement import (
-    MODEL_AXIS,
-    _parameter_slots,
-    _slice_reader,
-    partition_specs,
-    path_name,
-)
+from hisparse_jax.models.placement import _parameter_slots, _slice_reader
+from hisparse_jax.models.protocol import MODEL_AXIS, partition_specs, path_name
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_mesh_dsa_worker.py"

@@ -83,8 +83,7 @@ from hisparse_jax.engine.step import (
     recover_parts,
 )
 from hisparse_jax.engine.warmup import reachable_variants
-from hisparse_jax.models.placement import partition_specs
-from hisparse_jax.models.protocol import ServedModel
+from hisparse_jax.models.protocol import ServedModel, partition_specs
 from host_tier import DeviceBlockTables, HostPool
 from host_tier.sizes import is_int
 from pallas_kernels import _compat
@@ -138,7 +137,7 @@ def param_specs(model: Any, model_size: int) -> list[P]:
     is split (`hisparse_jax.models.ServedModel`); every leaf is replicated when it names none
     or the model has no such method (the partitioner picks the activations' layout, so the
     float rounding may differ from one device: `docs/mesh.md`). The rule of
-    `hisparse_jax.models.placement.partition_specs`, which `from_pretrained(..., mesh=)`
+    `hisparse_jax.models.protocol.partition_specs`, which `from_pretrained(..., mesh=)`
     places by.
 
     Raises:

@@ -1,7 +1,7 @@
-"""A model's parameters over a device mesh: the tensor-parallel `PartitionSpec`s its
-`tensor_parallel_dim` names (`partition_specs`, what `hisparse_jax.engine.mesh.MeshEngine`
-places by), and a DSA checkpoint loaded straight into them (`load_placed`, what
-`from_pretrained(..., mesh=)` runs).
+"""A DSA checkpoint loaded straight into its parameters' places over a device mesh
+(`load_placed`, what `from_pretrained(..., mesh=)` runs), by the tensor-parallel
+`PartitionSpec`s the model's `tensor_parallel_dim` names (`protocol.partition_specs`, what
+`hisparse_jax.engine.mesh.MeshEngine` places by).
 
 `load_placed` creates each parameter as a global array with its `NamedSharding` from the
 checkpoint slices its devices hold: per distinct slice (devices of the slice's replicas share
@@ -15,55 +15,17 @@ holds one slice (and the tensor it is cut from) at a time, never a copy of the m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from hisparse_jax.models.dsa_config import DSAConfig
 from hisparse_jax.models.dsa_weights import Slot, _transform, check_names, tensor_map
-
-MODEL_AXIS = "model"
-"""The mesh axis the tensor-parallel and expert-parallel splits use (`MeshEngine`'s)."""
-
-
-def path_name(path: Sequence[Any]) -> str:
-    """The dotted name of a parameter's pytree path ("blocks.1.attn.wq_b.kernel.value")."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                    for k in path)
-
-
-def partition_spec(rule: Callable[[str, tuple[int, ...]], int | None] | None, name: str,
-                   shape: tuple[int, ...], axis: str, size: int) -> P:
-    """The spec of parameter `name` of `shape`: its `rule(name, shape)` dim split over
-    `axis` (of `size` devices), everything else replicated.
-
-    Raises:
-      ValueError: `size` does not divide the dim it splits (naming the parameter).
-    """
-    dim = None if rule is None else rule(name, tuple(shape))
-    if dim is None:
-        return P()
-    if shape[dim] % size:
-        raise ValueError(f"the mesh's model axis ({size}) must divide dim {dim} of "
-                         f"parameter {name} {tuple(shape)} (its tensor-parallel split)")
-    spec: list[str | None] = [None] * len(shape)
-    spec[dim] = axis
-    return P(*spec)
-
-
-def partition_specs(model: Any, size: int, axis: str = MODEL_AXIS) -> list[P]:
-    """`partition_spec` of each parameter leaf of `model` (`jax.tree.flatten` order of its
-    `nnx.State`; concrete or abstract leaves) by its `tensor_parallel_dim`; every leaf is
-    replicated when the model has none."""
-    _, params = nnx.split(model)
-    rule = getattr(model, "tensor_parallel_dim", None)
-    return [partition_spec(rule, path_name(path), tuple(leaf.shape), axis, size)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+from hisparse_jax.models.protocol import MODEL_AXIS, partition_spec
 
 
 def place(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding,

@@ -70,13 +70,14 @@ passed through from `EngineConfig`; `aux` is a dict of arrays):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from hisparse_jax.cache import CacheBatch, HiSparseKVCache
 
@@ -244,3 +245,42 @@ def check_served_model(who: str, model: Any) -> ModelSpec:
         raise ValueError(f"{who} model {type(model).__name__} does not implement "
                          f"hisparse_jax.models.ServedModel: no {', '.join(missing)}")
     return spec
+
+
+MODEL_AXIS = "model"
+"""The mesh axis the tensor-parallel and expert-parallel splits use (`MeshEngine`'s)."""
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """The dotted name of a parameter's pytree path ("blocks.1.attn.wq_b.kernel.value")."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+def partition_spec(rule: Callable[[str, tuple[int, ...]], int | None] | None, name: str,
+                   shape: tuple[int, ...], axis: str, size: int) -> P:
+    """The spec of parameter `name` of `shape`: its `rule(name, shape)` dim split over
+    `axis` (of `size` devices), everything else replicated.
+
+    Raises:
+      ValueError: `size` does not divide the dim it splits (naming the parameter).
+    """
+    dim = None if rule is None else rule(name, tuple(shape))
+    if dim is None:
+        return P()
+    if shape[dim] % size:
+        raise ValueError(f"the mesh's model axis ({size}) must divide dim {dim} of "
+                         f"parameter {name} {tuple(shape)} (its tensor-parallel split)")
+    spec: list[str | None] = [None] * len(shape)
+    spec[dim] = axis
+    return P(*spec)
+
+
+def partition_specs(model: Any, size: int, axis: str = MODEL_AXIS) -> list[P]:
+    """`partition_spec` of each parameter leaf of `model` (`jax.tree.flatten` order of its
+    `nnx.State`; concrete or abstract leaves) by its `tensor_parallel_dim`; every leaf is
+    replicated when the model has none."""
+    _, params = nnx.split(model)
+    rule = getattr(model, "tensor_parallel_dim", None)
+    return [partition_spec(rule, path_name(path), tuple(leaf.shape), axis, size)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]

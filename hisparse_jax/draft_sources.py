@@ -31,6 +31,9 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from host_tier.sizes import is_int
 
 
 class DraftSource:
@@ -64,8 +67,32 @@ class DraftSource:
 
     def propose(self, request: Any, num_tokens: int) -> list[int]:
         """Host-side drafts for `request`'s next step: its generated tokens `live` ..
-        `live + num_tokens - 1` (`hisparse_jax.engine.request.Request`)."""
+        `live + num_tokens - 1` (`hisparse_jax.engine.request.Request`): a list (or tuple,
+        or 1-d integer array) of at most `num_tokens` int token ids in [0, vocab). The
+        engine checks it (`host_drafts`): a source that breaks the rule or raises fails
+        that request only."""
         raise NotImplementedError
+
+
+def host_drafts(source: DraftSource, request: Any, num_tokens: int, vocab_size: int
+                ) -> list[int]:
+    """`source.propose(request, num_tokens)` as a list of Python ints, checked: at most
+    `num_tokens` int token ids (never bools) in [0, vocab_size). Raises ValueError naming
+    the source and the rule (`propose`'s own exception, with its type, when it raises)."""
+    where = f"EngineConfig.speculative.draft {type(source).__name__}.propose"
+    try:
+        out = source.propose(request, num_tokens)
+    except Exception as e:  # noqa: BLE001 - any failure of the source fails its request
+        raise ValueError(f"{where} raised {type(e).__name__}: {e}") from e
+    rule = f"the rule: a list of at most {num_tokens} int token ids in [0, {vocab_size})"
+    if not isinstance(out, (list, tuple, np.ndarray)) or np.ndim(out) != 1:
+        raise ValueError(f"{where} returned {out!r:.80}; {rule}")
+    if len(out) > num_tokens:
+        raise ValueError(f"{where} returned {len(out)} drafts; {rule}")
+    for t in out:
+        if not is_int(t) or not 0 <= t < vocab_size:
+            raise ValueError(f"{where} returned token id {t!r:.40}; {rule}")
+    return [int(t) for t in out]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from hisparse_jax.engine import (
     Tuning,
 )
 from hisparse_jax.ops import _registry
-from host_tier import CapacityError, Coordinator
+from host_tier import CapacityError, Coordinator, HostPool
 from tests.engine_reference import AllResidentReference, assert_idle
 
 MAX_LEN = 48
@@ -98,6 +98,11 @@ def test_add_request_checks_everything_before_queueing(engine, reference):
         (dict(prompt=[1.5]), "prompt must be a sequence of int token ids"),
         (dict(prompt="abc"), "prompt must be a sequence of int token ids"),
         (dict(prompt=[True]), "prompt must be a sequence of int token ids"),
+        (dict(prompt=[5, True]), r"prompt must be a sequence of int token ids in \[0, 512\) "
+                                 r"\(bools are not token ids\)"),
+        (dict(prompt=(np.True_, 3)), "prompt must be a sequence of int token ids"),
+        (dict(prompt=[1], stop_token_ids=[2, False]),
+         "stop_token_ids must be a sequence of int token ids"),
         (dict(prompt=[1] * MAX_LEN), "leaves no room under max_model_len=48"),
         (dict(prompt=[1] * 40, max_new_tokens=9), r"= 49 exceeds max_model_len=48"),
         (dict(prompt=[1], max_new_tokens=0), "max_new_tokens must be an int >= 1"),
@@ -169,6 +174,9 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
      "EngineConfig.sizes.block_size must be a positive int"),
     (lambda: dict(sizes=Sizes(max_model_len=-4)),
      "EngineConfig.sizes.max_model_len must be a positive int"),
+    (lambda: dict(sizes=Sizes(max_model_len=1)),
+     r"EngineConfig.sizes.max_model_len must be >= 2 \(a request needs at least one prompt "
+     r"token and one generated token\), got 1"),
     (lambda: dict(sizes=Sizes(max_seats=0)),
      "EngineConfig.sizes.max_seats must be a positive int"),
     (lambda: dict(prefill=PrefillPolicy(bucket=0)),
@@ -305,6 +313,11 @@ def test_cancel_waiting_and_running_requests(engine, reference):
     assert not engine.cancel(running)  # already finished
     with pytest.raises(ValueError, match="no request has request_id 'nope'"):
         engine.cancel("nope")
+    with pytest.raises(ValueError, match="cancel: request_id must be hashable, got list"):
+        engine.cancel([1])
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=r"run: max_steps must be an int >= 0 or None"):
+            engine.run(max_steps=bad)
     engine.run()
     assert_matches_reference(engine, reference, [r for r in rids if r not in (running, waiting)])
     assert engine.summary()["finish_reasons"]["cancelled"] >= 2
@@ -413,6 +426,48 @@ def test_a_failing_spill_copy_is_retried_and_loses_nothing(engine, reference, mo
     _, raised = _drain(engine)
     assert not raised and transfers.mirror_group_fn.fired  # the worker reports it failed
     assert_matches_reference(engine, reference, rids)
+
+
+# ------------------------------------------------------------------ one engine per pool
+
+
+def test_a_host_pool_serves_one_live_engine_until_it_closes(reference):
+    """Two live engines on one pool would write each other's host rows: the second is
+    refused before any work; once the owner closes, the pool serves a new engine. A closed
+    engine takes no request; a closed pool is refused as closed."""
+    config = EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN, block_size=4,
+                                      **PRESSURE), prefill=PrefillPolicy(bucket=MAX_LEN))
+    spec = tiny_model().spec
+    pool = HostPool(num_layers=spec.num_layers, block_size=4,
+                    row_width=config.stored_row(spec)[0], dtype=config.stored_row(spec)[1],
+                    num_blocks=64, layers_per_array=config.host_layers_per_array(spec))
+    rule = (r"Engine host_pool is in use by another live engine; the rule: a HostPool serves "
+            r"one engine at a time, until that engine's close\(\)")
+    first = Engine(tiny_model(), config, host_pool=pool)
+    own = Engine(tiny_model(), config)
+    try:
+        for taken in (pool, own.host_pool):
+            with pytest.raises(ValueError, match=rule):
+                Engine(tiny_model(), config, host_pool=taken)
+        rids = _mixed(first, 3)
+        first.run()
+        assert_matches_reference(first, reference, rids)
+    finally:
+        first.close()
+        own.close()
+    with pytest.raises(RuntimeError, match=r"add_request: the engine is closed"):
+        first.add_request([1, 2], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"Engine host_pool is closed; it must be an open "):
+        Engine(tiny_model(), config, host_pool=own.host_pool)
+    second = Engine(tiny_model(), config, host_pool=pool)  # the owner closed: free again
+    try:
+        rids = _mixed(second, 5)
+        second.run()
+        assert_matches_reference(second, reference, rids)
+    finally:
+        second.close()
+    assert not pool.closed  # the engines did not make it: they leave it open
+    pool.close()
 
 
 def test_readme_request_example_runs_as_documented():

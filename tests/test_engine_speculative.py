@@ -187,6 +187,40 @@ def test_acceptance_rate_draft_accepts_at_its_rate():
     assert m.generated_tokens == 6 * 200
 
 
+class _BadDrafts(ScriptedDraft):
+    """Right drafts, except that from generated token 2 on requests 0-3 get bad ones: a token
+    id past int32, one draft too many, a negative id, None; request 4's propose raises."""
+
+    def propose(self, request, num_tokens):
+        good = super().propose(request, num_tokens)
+        if request.live < 2 or request.index > 4:
+            return good
+        if request.index == 4:
+            raise ZeroDivisionError("no draft today")
+        return {0: [2 ** 40] + good[1:], 1: good + [1], 2: [-1], 3: None}[request.index]
+
+
+def test_bad_host_drafts_fail_their_request_only(reference):
+    """A host draft source that breaks its rule fails that request (finish reason "error",
+    naming the source and the rule); the others end as they do without speculation."""
+    source = _BadDrafts({r.index: r.generated for r in reference}, lambda i, j: True)
+    engine, out = _serve(speculative=Speculative(num_tokens=2, draft=source))
+    try:
+        rule = "the rule: a list of at most 2 int token ids in [0, 512)"
+        whats = ["token id 1099511627776", "3 drafts", "token id -1", "None",
+                 "ZeroDivisionError"]
+        for req, what in zip(out[:5], whats, strict=True):
+            assert req.finish_reason == "error", req.index
+            assert "EngineConfig.speculative.draft _BadDrafts.propose" in req.error
+            assert what in req.error and (rule in req.error or req.index == 4), req.error
+            assert req.generated == reference[req.index].generated[:len(req.generated)]
+            assert len(req.generated) >= 2
+        _check_same(reference[5:], engine, out[5:])
+        assert not engine.has_work and not engine.running
+    finally:
+        engine.close()
+
+
 def test_speculation_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"EngineConfig.speculative.num_tokens must be an int in "
                                          r"\[1, EngineConfig.sizes.block_size=4\)"):

@@ -1,5 +1,7 @@
 """HostPool: pinned allocation, sizing from a byte budget, RAM check, memory-limit env, release."""
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -152,6 +154,33 @@ def test_close_deletes_arrays_deterministically_and_is_idempotent():
                       num_blocks=4) as pool3:
             raise RuntimeError("boom")
     assert pool3.closed
+
+
+def test_a_pool_has_one_live_owner_until_it_releases_it():
+    class Owner:
+        pass
+
+    a, b = Owner(), Owner()
+    with HostPool(num_layers=1, block_size=4, row_width=8, dtype=np.float32,
+                  num_blocks=4) as pool:
+        assert pool.owner is None
+        pool.claim(a)
+        pool.claim(a)  # its owner may claim it again
+        assert pool.owner is a
+        with pytest.raises(ValueError, match=r"HostPool is in use by a live Owner; the rule: one "
+                                             r"owner at a time, until it releases the pool"):
+            pool.claim(b)
+        pool.release(b)  # not the owner: nothing changes
+        assert pool.owner is a
+        pool.release(a)
+        pool.claim(b)
+        assert pool.owner is b
+        del b  # an owner that is gone holds nothing
+        gc.collect()
+        assert pool.owner is None
+        pool.claim(a)
+    with pytest.raises(ValueError, match="HostPool is closed"):
+        pool.claim(a)
 
 
 def test_replace_layer_checks_shape_dtype_and_memory_kind():

@@ -87,8 +87,8 @@ class Sizes:
     Attributes:
       max_seats: int >= 1 (default 4): decode batch rows = hot-state rows = requests admitted
         at once (`HiSparseConfig.max_num_reqs`).
-      max_model_len: int >= 1 (default 256): the longest request (prompt + generated), in
-        tokens.
+      max_model_len: int >= 2 (default 256): the longest request (prompt + generated), in
+        tokens (a request has at least one prompt token and one generated token).
       block_size: int >= 1 (default 16): B, rows per page (host, resident and hot pages).
       hot_size: None (default: 2 (1 + k) top_k rows for k speculative tokens, rounded up to B;
         naive offload: (1 + k) top_k rounded up to B) or an int in [1, 32768]: H, hot-region
@@ -114,6 +114,10 @@ class Sizes:
         """ValueError naming `EngineConfig.sizes.<field>` and the rule it breaks."""
         for name in ("max_seats", "max_model_len", "block_size"):
             check_int(f"sizes.{name}", getattr(self, name), minimum=1)
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.sizes.max_model_len must be >= 2 (a request needs "
+                             f"at least one prompt token and one generated token), got "
+                             f"{self.max_model_len}")
         check_int("sizes.hot_size", self.hot_size, minimum=1, optional=True)
         if self.hot_size is not None and self.hot_size > MAX_HOT_SIZE:
             raise ValueError(f"EngineConfig.sizes.hot_size must be <= {MAX_HOT_SIZE} (LRU slot "

@@ -47,7 +47,8 @@ Request lifecycle (requests are transactions: whatever one request does wrong, t
 keeps serving the others and loses none of their work):
 
   * `add_request` checks everything before queueing (ValueError naming the argument and the
-    rule): a new id, token ids in [0, vocab), a non-empty prompt, prompt + max_new_tokens <=
+    rule; RuntimeError once the engine is closed): a new id, int token ids (never bools) in
+    [0, vocab), a non-empty prompt, prompt + max_new_tokens <=
     max_model_len, max_new_tokens >= 1 (or None: until max_model_len), a finite temperature
     >= 0, stop token ids in the vocab; `host_tier.CapacityError` (a ValueError) with the
     residency manager's reason when the pools could never hold the request even alone.
@@ -55,7 +56,8 @@ keeps serving the others and loses none of their work):
     `EngineConfig.prefill.chunk_size`) fails is released (its blocks, transfers and seat;
     its hot row is reset at the seat's next admission) and finishes with
     finish_reason="error" and `Request.error`; so does a request that can never make
-    progress, or whose page restore the worker reports failed. The step goes on.
+    progress, whose page restore the worker reports failed, or whose host draft source
+    breaks its rule (`draft_sources.host_drafts`). The step goes on.
   * `cancel(request_id)`: a waiting or running request finishes with "cancelled".
   * Any other exception from `step()` leaves an engine whose next `step()` works: the
     requests of the failed step's batch are preempted (recompute by replay: their tokens are
@@ -172,9 +174,12 @@ class Engine(EngineFront):
           model: the model (`hisparse_jax.models.ServedModel`; its parameters are split off
             and committed to the device).
           config: serving knobs (default `EngineConfig()`).
-          host_pool: an existing `host_tier.HostPool` to use (and not close): e.g. one pool
-            shared by engines that run one after another, instead of pinning a new pool per
-            engine. Its block count replaces `config.sizes.num_host_blocks` and its packing
+          host_pool: an existing open `host_tier.HostPool` to use (and not close): e.g. one
+            pool shared by engines that run one after another, instead of pinning a new pool
+            per engine. A pool serves one live engine at a time (each engine allocates its
+            blocks on its own): the engine claims it (`HostPool.claim`) until its `close()`;
+            a pool another live engine holds is refused (ValueError). Its block count
+            replaces `config.sizes.num_host_blocks` and its packing
             (`layers_per_array`, which must divide every index group's size: an array holds
             one group's layers only) `config.tuning.pack_host_layers` (ignored when
             all-resident).
@@ -211,7 +216,7 @@ class Engine(EngineFront):
                 host_pool.close()
             raise
         self.scheduler = Scheduler(manager, transfers, cfg, residency, self.metrics,
-                                   draft=self.runner.draft,
+                                   draft=self.runner.draft, vocab_size=spec.vocab_size,
                                    prefill_chunk_size=ec.prefill.chunk_size,
                                    max_prefill_tokens=ec.prefill.max_tokens_per_step)
         self._intake = Intake(self.scheduler, spec.vocab_size, ec)
@@ -224,6 +229,8 @@ class Engine(EngineFront):
         ctx = StepContext(ec, spec, self.metrics, self._clock, self.row_bytes, page_keys)
         self._loop = (AsyncLoop if ec.async_scheduling else SyncLoop)(
             ctx, self.scheduler, self.runner)
+        if host_pool is not None:  # this engine's alone until close()
+            host_pool.claim(self)
 
     def _checked_pool(self, host_pool: Any) -> Any:
         """An existing host pool `host_pool` (None: the engine makes one) when it fits the
@@ -232,9 +239,16 @@ class Engine(EngineFront):
             return None
         ec, spec = self.config, self.spec
         want = (spec.num_layers, ec.sizes.block_size, *ec.stored_row(spec))
+        if host_pool.closed:
+            raise ValueError(f"Engine host_pool is closed; it must be an open HostPool of "
+                             f"(layers, block_size, row_width, dtype) = {want}")
+        if host_pool.owner is not None:
+            raise ValueError("Engine host_pool is in use by another live engine; the rule: a "
+                             "HostPool serves one engine at a time, until that engine's "
+                             "close() (two engines would overwrite each other's host rows)")
         have = (host_pool.num_layers, host_pool.block_size, host_pool.row_width,
                 host_pool.dtype)
-        if have != want or host_pool.closed:
+        if have != want:
             raise ValueError(f"Engine host_pool must be an open HostPool of (layers, "
                              f"block_size, row_width, dtype) = {want}, got {have}")
         groups = spec.group_layers
@@ -330,10 +344,14 @@ class Engine(EngineFront):
 
     def close(self) -> None:
         """Collects the decode step in flight (async scheduling), waits for every copy into
-        the host pool; closes the pool if the engine made it."""
+        the host pool; closes the pool if the engine made it, else frees it for another
+        engine. A closed engine takes no request."""
+        self._closed = True
         try:
             self.drain()
         finally:
             self.scheduler.deliver(wait=True)  # no copy into the pool outlives the engine
-        if self._owns_pool:
-            self.host_pool.close()
+        if self.host_pool is not None:
+            self.host_pool.release(self)
+            if self._owns_pool:
+                self.host_pool.close()

@@ -39,19 +39,26 @@ def checked_config(who: str, model: Any, config: EngineConfig | None
     return config, spec
 
 
+_BOOLS = frozenset({bool, np.bool_})
+
+
 def token_ids(what: str, values: Any, vocab: int) -> tuple[int, ...]:
     """`values` (a sequence or other iterable of ints) as a tuple of token ids in [0, vocab);
     ValueError naming `what` otherwise."""
-    arr = None
+    arr = seq = None
     if not isinstance(values, (str, bytes)):
         try:
-            arr = np.asarray(values if isinstance(values, (Sequence, np.ndarray))
-                             else list(values))
+            seq = values if isinstance(values, (Sequence, np.ndarray)) else list(values)
+            arr = np.asarray(seq)
         except (TypeError, ValueError):
             pass
     if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"add_request: {what} must be a sequence of int token ids, got "
                          f"{values!r:.80}")
+    if not isinstance(seq, np.ndarray) and not _BOOLS.isdisjoint(map(type, seq)):
+        # numpy makes ints of [5, True]: a bool among ints is caught here.
+        raise ValueError(f"add_request: {what} must be a sequence of int token ids in "
+                         f"[0, {vocab}) (bools are not token ids), got {values!r:.80}")
     if arr.size and (arr.min() < 0 or arr.max() >= vocab):
         bad = next(int(t) for t in arr.tolist() if not 0 <= t < vocab)
         raise ValueError(f"add_request: token ids of {what} must be in [0, {vocab}) (the "
@@ -139,8 +146,12 @@ class Intake:
 
 def run_steps(engine: Any, on_step: Callable[[Any], None] | None, max_steps: int | None
               ) -> None:
-    """Steps `engine` while it has work (at most `max_steps` steps), calling `on_step(engine)`
-    after each, then drains it."""
+    """Steps `engine` while it has work (at most `max_steps` steps, an int >= 0 or None: no
+    limit), calling `on_step(engine)` after each, then drains it; ValueError for another
+    `max_steps`, before any step."""
+    if max_steps is not None and (not is_int(max_steps) or max_steps < 0):
+        raise ValueError(f"run: max_steps must be an int >= 0 or None (no limit), got "
+                         f"{max_steps!r}")
     n = 0
     while engine.has_work and (max_steps is None or n < max_steps):
         engine.step()
@@ -160,6 +171,13 @@ def check_idle(who: str, running: dict) -> None:
 class EngineFront:
     """The request API and state properties `Engine` and `MeshEngine` share (module
     docstring: the attributes it reads)."""
+
+    _closed = False  # set by the engine's close(): no request is taken after it
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (the engine takes no request then)."""
+        return self._closed
 
     @property
     def waiting(self) -> collections.deque[Request]:
@@ -212,7 +230,11 @@ class EngineFront:
         Raises:
           ValueError: an argument breaks its rule (nothing is queued).
           host_tier.CapacityError: the pools could never hold the request, even alone.
+          RuntimeError: the engine is closed.
         """
+        if self._closed:
+            raise RuntimeError("add_request: the engine is closed (close() was called); the "
+                               "rule: requests go to an open engine")
         return self._intake.add(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                 stop_token_ids=stop_token_ids, request_id=request_id,
                                 seed=seed)
@@ -223,8 +245,13 @@ class EngineFront:
         already finished. Call it between steps (e.g. from `run`'s `on_step`).
 
         Raises:
-          ValueError: no request has this id.
+          ValueError: no request has this id (or it is not hashable: no id is).
         """
+        try:
+            hash(request_id)
+        except TypeError:
+            raise ValueError(f"cancel: request_id must be hashable, got "
+                             f"{type(request_id).__name__}") from None
         return self.scheduler.cancel(request_id)
 
     @staticmethod

@@ -365,6 +365,8 @@ class MeshEngine(EngineFront):
                 pool.close()
             raise
         scheduler = Scheduler(manager, transfers, cfg, self.residency, self.metrics)
+        if pool is not None:  # one engine per pool (`Engine`'s host_pool rule)
+            pool.claim(self)
         return _Shard(d, devices, sharding, runner, scheduler, pool, owns)
 
     # ------------------------------------------------------------------ state
@@ -504,9 +506,13 @@ class MeshEngine(EngineFront):
         return int(sum(sh.host_pool.nbytes for sh in self.shards if sh.host_pool is not None))
 
     def close(self) -> None:
-        """Waits for every copy into the host pools; closes them."""
+        """Waits for every copy into the host pools; closes them. A closed engine takes no
+        request."""
+        self._closed = True
         for sh in self.shards:
             sh.scheduler.deliver(wait=True)
+            if sh.host_pool is not None:
+                sh.host_pool.release(self)
             if sh.owns_pool:
                 sh.host_pool.close()
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from hisparse_jax.cache import AllResident, Residency
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.draft_sources import host_drafts
 from hisparse_jax.engine.metrics import Metrics
 from hisparse_jax.engine.request import Request
 from host_tier.plan import StepPlan
@@ -90,6 +91,7 @@ class Scheduler:
       residency: the mode's residency type.
       metrics: counters updated here (waits, preemptions, generated_tokens).
       draft: the `DraftSource` (None without speculation).
+      vocab_size: the model's vocabulary (host drafts must be token ids below it).
       prefill_chunk_size: prompt tokens per prefill chunk, at most (None: one shot).
       max_prefill_tokens: prompt tokens prefilled per step, at most (None: no limit).
 
@@ -105,11 +107,12 @@ class Scheduler:
 
     def __init__(self, manager: Any, transfers: Any, cfg: HiSparseConfig,
                  residency: Residency, metrics: Metrics, *, draft: Any = None,
-                 prefill_chunk_size: int | None = None,
+                 vocab_size: int | None = None, prefill_chunk_size: int | None = None,
                  max_prefill_tokens: int | None = None) -> None:
         self.manager = manager
         self.num_speculative_tokens = cfg.num_speculative_tokens
         self.draft = draft  # the DraftSource (None without speculation)
+        self.vocab_size = vocab_size
         self.transfers = transfers
         self.cfg = cfg
         self.residency = residency
@@ -169,17 +172,22 @@ class Scheduler:
         if in_flight:
             decoding = [req for req in decoding
                         if req.request_id not in in_flight or not self._last_in_flight(req)]
+        if self.num_speculative_tokens:
+            drafts = [self._drafts(req) for req in decoding]
+            if None in drafts:  # a host draft source broke its rule: those requests failed
+                decoding = [req for req, d in zip(decoding, drafts, strict=True)
+                            if d is not None]
+                drafts = [d for d in drafts if d is not None]
+            lookahead = [len(d) for d in drafts]
+        else:
+            drafts, lookahead = [[]] * len(decoding), None
+        if in_flight:
             new_tokens = [self._known_tokens(req, req.request_id in in_flight)
                           for req in decoding]
         else:
             new_tokens = [req.generated[req.counted:req.live] for req in decoding]
         # One manager call for every decoding request (the per-request calls cost more host
         # time than the scheduling itself at hundreds of requests).
-        if self.num_speculative_tokens:
-            drafts = [self._drafts(req) for req in decoding]
-            lookahead = [len(d) for d in drafts]
-        else:
-            drafts, lookahead = [[]] * len(decoding), None
         results = manager.schedule_batch([req.request_id for req in decoding], new_tokens,
                                           lookahead)
         if not self.num_speculative_tokens and not any(results):  # every request scheduled
@@ -252,10 +260,12 @@ class Scheduler:
         if self._budget is not None:
             self._budget -= n
 
-    def _drafts(self, req: Request) -> list[int]:
+    def _drafts(self, req: Request) -> list[int] | None:
         """The draft tokens `req`'s next step verifies: up to num_speculative_tokens, fewer
         when its last tokens are near (the step emits at most len + 1 tokens and writes no row
-        past the last token it will feed); while it replays, its known tokens."""
+        past the last token it will feed); while it replays, its known tokens. None when a
+        host draft source breaks its rule for it (`draft_sources.host_drafts`): the request
+        has failed (finish_reason "error"), the others go on."""
         limit = (req.max_new_tokens if req.max_new_tokens is not None
                  else self.cfg.max_model_len - len(req.prompt))
         n = min(self.num_speculative_tokens, limit - 1 - req.live)
@@ -265,7 +275,11 @@ class Scheduler:
             return req.generated[req.live:req.live + n]
         if self.draft.on_device:
             return req.drafts[:n]
-        return [int(t) for t in self.draft.propose(req, n)]
+        try:
+            return host_drafts(self.draft, req, n, self.vocab_size)
+        except ValueError as e:
+            self.fail(req, str(e))
+            return None
 
     def _admit(self) -> list[Request]:
         manager, hot_blocks = self.manager, self.manager.hot_blocks

@@ -10,7 +10,10 @@ Rules the owner of the arrays must follow:
     the next in-place copy would silently copy the whole pool (CPU) or fail (GPU). Use
     `read_rows`, which returns copies;
   - a copy that writes into the pool donates the old array and returns the new one: hand it back
-    with `replace_layer`.
+    with `replace_layer`;
+  - one owner at a time (`claim` / `release`): two users writing blocks of one pool would
+    overwrite each other's rows (each keeps its own block allocator), so a serving engine
+    claims its pool for its lifetime.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -218,6 +222,7 @@ class HostPool:
                 f"(it has {kinds})")
         self.sharding = memory_sharding(device, memory_kind)
         self.shape = (num_blocks, block_size, self.layers_per_array * row_width)
+        self._owner: weakref.ref | None = None  # `claim`: the one user writing its blocks
         self._arrays: list[jax.Array] | None = []
         try:
             for _ in range(self.num_arrays):
@@ -325,6 +330,33 @@ class HostPool:
             raise ValueError(f"rows must be in [0, {total}), got {rows.min()}..{rows.max()}")
         flat = np.array(self.layer(layer), copy=True).reshape(-1, self.row_width)
         return flat[self.layer_rows(layer, rows)]
+
+    # ------------------------------------------------------------------ ownership
+
+    @property
+    def owner(self) -> Any:
+        """The object that claimed the pool and has not released it (None: free). Held by a
+        weak reference: an owner that no longer exists holds nothing."""
+        return None if self._owner is None else self._owner()
+
+    def claim(self, owner: Any) -> None:
+        """Makes `owner` (any object that takes weak references, e.g. an engine) the pool's
+        one user until `release(owner)`; claiming again by the same owner is a no-op.
+
+        Raises:
+          ValueError: the pool is closed, or another owner holds it.
+        """
+        self._live()
+        current = self.owner
+        if current is not None and current is not owner:
+            raise ValueError(f"HostPool is in use by a live {type(current).__name__}; the rule: "
+                             "one owner at a time, until it releases the pool")
+        self._owner = weakref.ref(owner)
+
+    def release(self, owner: Any) -> None:
+        """Frees the pool when `owner` holds it (nothing otherwise; also after `close`)."""
+        if self.owner is owner:
+            self._owner = None
 
     # ------------------------------------------------------------------ lifetime
 

@@ -212,7 +212,7 @@ def load_into(model: Any, read: Callable[[str, np.dtype], np.ndarray], *,
             raise ValueError(f"checkpoint tensor {name}: expected shape {shape}, found "
                              f"{tuple(array.shape)}")
         for slot, var in zip(slots, variables, strict=True):
-            _assign(var, _transform(array, slot, cfg), slot, name)
+            _assign(var, to_parameter_layout(array, slot, cfg), slot, name)
 
 
 def _resolve(model: Any, path: Path) -> nnx.Variable:
@@ -225,7 +225,12 @@ def _resolve(model: Any, path: Path) -> nnx.Variable:
     return obj
 
 
-def _transform(a: np.ndarray, slot: Slot, cfg: DSAConfig) -> np.ndarray:
+def to_parameter_layout(a: np.ndarray, slot: Slot, cfg: DSAConfig) -> np.ndarray:
+    """Checkpoint tensor `a` (transformers' layout: a Linear weight [out, in]) in the layout of
+    its parameter `slot`: "copy" as is, "transpose" [in, out], "w_uk" / "w_uv" the key and
+    value halves of kv_b_proj [h * (nope + v), kv_lora] as [h, nope, kv_lora] and
+    [h, kv_lora, v] (the absorbed attention's up-projections). `load_into` and the mesh
+    loader (`placement.py`) both call it."""
     if slot.transform == "copy":
         return a
     if slot.transform == "transpose":

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from hisparse_jax.models.dsa_config import DSAConfig
-from hisparse_jax.models.dsa_weights import Slot, _transform, check_names, tensor_map
+from hisparse_jax.models.dsa_weights import Slot, check_names, tensor_map, to_parameter_layout
 from hisparse_jax.models.protocol import MODEL_AXIS, partition_spec
 
 
@@ -72,7 +72,7 @@ def _slice_reader(read: Callable[[str, Any], np.ndarray], cfg: DSAConfig,
         (name, slot), = fills
 
         def make(index):
-            return _transform(read(name, dtype), slot, cfg)[index]
+            return to_parameter_layout(read(name, dtype), slot, cfg)[index]
         return make
     by_expert: dict[int, list[tuple[str, Slot]]] = {}
     for name, slot in fills:
@@ -83,7 +83,7 @@ def _slice_reader(read: Callable[[str, Any], np.ndarray], cfg: DSAConfig,
         out = np.zeros((len(experts), *shape[1:]), dtype)
         for i, e in enumerate(experts):  # only this slice's experts are read
             for name, slot in by_expert[e]:
-                value = _transform(read(name, dtype), slot, cfg)
+                value = to_parameter_layout(read(name, dtype), slot, cfg)
                 out[i, ..., slot.offset:slot.offset + value.shape[-1]] = value
         return out[(slice(None), *index[1:])]
     return make_experts

@@ -184,7 +184,10 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str | None:
     try:
         from jax._src.pallas.triton import gpu_info
     except ImportError:
-        gpu_info = None
+        try:  # jax >= 0.12.1: the module moved up, same API
+            from jax._src import gpu_info
+        except ImportError:
+            gpu_info = None
     patched = None
     if gpu_info is not None and hasattr(reg, "gpu_info_lib"):
         info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)

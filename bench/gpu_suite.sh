@@ -29,8 +29,8 @@
 #        .baseline/ and this tree, async; this tree's profiles at 1 and 256; pairs at 1 request),
 #        sweep_async (the e2e benchmark's full sweep and plot with asynchronous scheduling),
 #        house_ab (decode checks and e2e pairs for .baseline/ and this tree, alternating),
-#        real_slice / profile_real (DeepSeek-V3.2's real-dimension slice: e2e pairs at 1, 64,
-#        256 requests and the step profile at 256)
+#        real_slice / real_slice_drift / profile_real (DeepSeek-V3.2's real-dimension slice: e2e
+#        pairs at 1, 64, 256 requests with its indexer / the drift top-k; the profile at 256)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -263,6 +263,8 @@ run_step() {  # name, time limit in s, command...
       # HiSparse / all-resident at 1, 64, 256 requests, asynchronous scheduling; then the step
       # profile at 256 (profile_real).
       real_slice) XLA_PYTHON_CLIENT_MEM_FRACTION=${REAL_MEM_FRACTION:-0.92} run_step real_slice "${REAL_LIMIT:-560}" python3 -m bench.e2e_decode --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --kv-format "${REAL_FORMAT:-fp8_ds_mla}" --context "${REAL_CONTEXT:-65536}" --concurrency "${REAL_CONCURRENCY:-1,64,256}" --modes hisparse,all-resident --warmup-steps 4 --measure-steps 16 --rounds 2 --time-budget "${REAL_BUDGET:-480}" --output "bench/results/e2e_decode-dsv32-real-gpu.json" --no-plot ;;
+      # The same slice with the drift top-k at 5% turnover (no indexer).
+      real_slice_drift) XLA_PYTHON_CLIENT_MEM_FRACTION=${REAL_MEM_FRACTION:-0.92} run_step real_slice_drift "${REAL_LIMIT:-560}" python3 -m bench.e2e_decode --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --async-scheduling --kv-format "${REAL_FORMAT:-fp8_ds_mla}" --context "${REAL_CONTEXT:-65536}" --concurrency "${REAL_CONCURRENCY:-1,64,256}" --modes hisparse,all-resident --turnover-sweep= --warmup-steps 4 --measure-steps 16 --rounds 2 --time-budget "${REAL_BUDGET:-480}" --output "bench/results/e2e_decode-dsv32-real-drift-gpu.json" --no-plot ;;
       profile_real) XLA_PYTHON_CLIENT_MEM_FRACTION=${REAL_MEM_FRACTION:-0.92} run_step profile_real "${PROFILE_REAL_LIMIT:-400}" python3 -m bench.profile_step --config dsv32-real --num-layers "${REAL_LAYERS:-4}" --indexer --async-scheduling --kv-format "${REAL_FORMAT:-fp8_ds_mla}" --context "${REAL_CONTEXT:-65536}" --concurrency 256 --steps 16 --profile-steps 4 --output "bench/results/profile_step-dsv32-real-c256-gpu.json" ;;
       *) echo "unknown step $step" ;;
     esac

@@ -18,7 +18,14 @@ Modes (one engine each, one after another, the same model, GPU KV budget and wor
     keeps its rows and the conversation's next turn reuses them while nobody else took the
     seat); the same GPU KV budget holds `(budget - 1) // pages` full conversations at once
     (seats), the rest wait;
-  * `all-resident`: the same without reuse (not run by default).
+  * `all-resident`: the same without reuse (not run by default);
+  * `hisparse-reuse-async`: `hisparse-reuse` with asynchronous scheduling
+    (`EngineConfig.async_scheduling`; not run by default): its tokens must equal
+    `hisparse-reuse`'s, and the ratios give its throughput and TTFT against it.
+
+`--speculative-tokens k` adds speculation to every mode (MTP drafts, or `--acceptance-rate r`:
+the benchmark source that accepts each draft with probability r, whose tokens are not the
+model's but are the same in every mode with the same seed).
 
 Prefill is REAL (the model runs over every prompt token it computes, in chunks of
 `--prefill-chunk-size` sharing steps with decode), unlike `bench/e2e_decode.py`'s synthetic
@@ -36,6 +43,7 @@ total throughput). JSON in `bench/results/multiturn-<backend>.json` and a PNG (m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -47,10 +55,20 @@ import numpy as np
 
 from bench._common import RESULTS_DIR, write_result
 from hisparse_jax import models
-from hisparse_jax.engine import AllResident, Engine, EngineConfig, HiSparse, PrefillPolicy, Sizes
+from hisparse_jax.draft_sources import AcceptanceRateDraft, MTPDraft
+from hisparse_jax.engine import (
+    AllResident,
+    Engine,
+    EngineConfig,
+    HiSparse,
+    PrefillPolicy,
+    Sizes,
+    Speculative,
+)
 from host_tier.sizes import cdiv
 
-MODES = ("hisparse-reuse", "hisparse", "all-resident-reuse", "all-resident")
+MODES = ("hisparse-reuse", "hisparse", "all-resident-reuse", "all-resident",
+         "hisparse-reuse-async")
 DEFAULT_MODES = MODES[:3]
 
 
@@ -82,6 +100,12 @@ def engine_config(args: argparse.Namespace, mode: str) -> EngineConfig:
     as many full conversations as the budget holds."""
     budget, resident_seats = gpu_budget(args)
     all_resident = mode.startswith("all-resident")
+    reuse = mode in ("hisparse-reuse", "all-resident-reuse", "hisparse-reuse-async")
+    speculative = None
+    if args.speculative_tokens:
+        draft = (MTPDraft() if args.acceptance_rate is None
+                 else AcceptanceRateDraft(args.acceptance_rate))
+        speculative = Speculative(num_tokens=args.speculative_tokens, draft=draft)
     if all_resident and resident_seats < 1:
         raise ValueError(f"the GPU KV budget of {budget} blocks holds no full conversation "
                          f"of {max_model_len(args)} tokens")
@@ -92,9 +116,11 @@ def engine_config(args: argparse.Namespace, mode: str) -> EngineConfig:
         prefill=PrefillPolicy(
             chunk_size=args.prefill_chunk_size, bucket=args.prefill_chunk_size,
             max_tokens_per_step=args.max_prefill_tokens_per_step,
-            prefix_caching=mode.endswith("-reuse"),
-            prefix_hit_pages=args.prefix_hit_pages if mode == "hisparse-reuse" else "restore"),
-        residency=AllResident() if all_resident else HiSparse(), seed=0)
+            prefix_caching=reuse,
+            prefix_hit_pages=(args.prefix_hit_pages if reuse and not all_resident
+                              else "restore")),
+        residency=AllResident() if all_resident else HiSparse(), seed=0,
+        speculative=speculative, async_scheduling=mode == "hisparse-reuse-async")
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -198,6 +224,13 @@ def ratios(results: list[dict[str, Any]], from_turn: int) -> dict[str, Any]:
         out[f"throughput_reuse_over_{mode}"] = (ours["processed_tokens_per_s"]
                                                 / r["processed_tokens_per_s"])
         out[f"tokens_identical_to_{mode}"] = ours["tokens"] == r["tokens"]
+    if "hisparse-reuse-async" in by:  # asynchronous over synchronous, same features
+        out["throughput_async_over_sync"] = out.pop(
+            "throughput_reuse_over_hisparse-reuse-async") ** -1
+        ttft = out.pop("ttft_p50_hisparse-reuse-async_over_reuse")
+        out["ttft_p50_async_over_sync"] = ttft
+        out["tokens_identical_async_sync"] = out.pop(
+            "tokens_identical_to_hisparse-reuse-async")
     return out
 
 
@@ -258,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="hisparse-reuse: restore a hit's host pages whole before its prefill, "
                         "or stage the rows its chunks select "
                         "(EngineConfig.prefill.prefix_hit_pages)")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="k draft tokens per step in every mode (0: no speculation)")
+    p.add_argument("--acceptance-rate", type=float, default=None,
+                   help="with --speculative-tokens: the benchmark draft source accepting each "
+                        "draft with this probability (default: the model's MTP drafts)")
     p.add_argument("--ttft-from-turn", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true")
@@ -278,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
 
     budget, resident_seats = gpu_budget(args)
     cfg = models.get_config(args.config)
+    if args.speculative_tokens and args.acceptance_rate is None:
+        cfg = dataclasses.replace(cfg, mtp_layers=1)  # MTP drafts need the module
     model = models.init_model(cfg, seed=0)
     out_json = (Path(args.output) if args.output
                 else RESULTS_DIR / f"multiturn-{jax.default_backend()}.json")
@@ -286,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
               "gen_tokens": args.gen_tokens, "block_size": args.block_size,
               "prefill_chunk_size": args.prefill_chunk_size,
               "prefix_hit_pages": args.prefix_hit_pages,
+              "speculative_tokens": args.speculative_tokens,
+              "acceptance_rate": args.acceptance_rate,
               "max_model_len": max_model_len(args),
               "gpu_blocks": budget, "all_resident_seats": resident_seats,
               "prefill": "real (the model over every computed prompt token, chunked)",

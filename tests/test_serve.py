@@ -338,6 +338,54 @@ def test_health_and_models(tiny):
     assert models["data"][0]["max_model_len"] == 64
 
 
+def test_a_drain_past_its_grace_period_aborts_what_runs_and_stops_the_server(tiny):
+    """The drain SIGTERM starts (`HTTPServer.drain`), on a server of its own: requests still
+    running when the grace period ends finish with "abort", then the server ends."""
+    args = serve_args.parse_args(TINY_FLAGS)
+    state = build_state(args, model=tiny.model)
+    server = ServerThread(HTTPServer(state, port=0, grace_period=0.2)).start()
+    received: list = []
+
+    def client():
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=TIMEOUT, json={
+                "prompt": [2, 7, 1, 8], "max_tokens": 50, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    received.append(line)
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        wait_for(lambda: received, "a first token")
+        state.loop.pause()  # it cannot finish by itself now
+        server.server.on_signal(signal.SIGTERM, None)
+        t.join(TIMEOUT)
+        assert received[-1] == "data: [DONE]"
+        last = json.loads(received[-2][len("data: "):])["choices"][0]
+        assert last["finish_reason"] == "abort"
+        assert server.join(TIMEOUT) and not state.loop.alive
+        assert state.loop.engine.closed
+    finally:
+        state.loop.resume()
+        server.stop()
+
+
+def test_the_load_benchmark_runs_and_checks_its_outputs_offline(tiny, tmp_path, capsys):
+    from bench import serve_load
+
+    out = tmp_path / "load.json"
+    status = serve_load.main(["--url", tiny.url, "--clients", "3", "--requests", "6",
+                              "--warmup-requests", "1", "--prompt-len", "8",
+                              "--output-len", "5", "--temperature", "0.7", "--out", str(out),
+                              "--", *TINY_FLAGS])
+    assert status == 0
+    assert "outputs equal offline: yes (6 requests, 0 differ)" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["requests_completed"] == 6 and record["generated_tokens"] == 30
+    assert record["ttft_ms"]["n"] == 6 and record["itl_ms"]["n"] == 24
+    assert record["outputs_equal_offline"] is True and record["mode"] == "hisparse"
+
+
 # ------------------------------------------------------------------ text and chat (checkpoint)
 
 

@@ -145,6 +145,11 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the server to end (a drain, or `stop`); whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def stop(self, timeout: float = 60.0) -> None:
         self.server.shutdown()
         self._thread.join(timeout)

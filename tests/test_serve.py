@@ -185,6 +185,7 @@ def test_stop_token_ids_finish_with_stop(tiny):
 
 
 BAD_REQUESTS = [
+    ({"prompt": [1, 2], "max_tokens": 4, "frobnicate": 1}, "frobnicate"),
     ({"prompt": [1, 2], "max_tokens": 4, "top_p": 0.5}, "top_p"),
     ({"prompt": [1, 2], "max_tokens": "4"}, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": True}, "max_tokens"),
@@ -241,16 +242,37 @@ def test_another_model_name_gets_404_and_chat_without_a_template_400(tiny):
 # ------------------------------------------------------------------ the engine loop
 
 
-def test_a_client_that_disconnects_cancels_its_request_and_frees_its_seat(tiny):
+def pause_at_first_tokens(monkeypatch, state, prompt):
+    """Pauses the engine loop (on its own thread, before its next step) once the request
+    of `prompt` got its first tokens: from then on only a cancel can finish it."""
+    on_tokens = state.metrics.on_tokens
+
+    def hook(job, count, now):
+        on_tokens(job, count, now)
+        if job.prompt == prompt:
+            state.loop.pause()
+
+    monkeypatch.setattr(state.metrics, "on_tokens", hook)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_client_that_disconnects_cancels_its_request_and_frees_its_seat(tiny, monkeypatch,
+                                                                           streamed):
     loop = tiny.state.loop
     before = tiny.metrics()[("vllm:request_success_total", (("finished_reason", "abort"),))]
-    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 50, "temperature": 0, "stream": True}
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 50, "temperature": 0, "stream": streamed}
+    pause_at_first_tokens(monkeypatch, tiny.state, body["prompt"])
     try:
-        with tiny.client.stream("POST", "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    loop.pause()  # no more steps: only the disconnect can finish it
-                    break
+        if streamed:
+            with tiny.client.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        assert loop.engine.running  # it holds a seat; the loop is paused
+                        break
+        else:  # a client that gives up waiting: its connection closes
+            with httpx.Client(base_url=tiny.url) as client, pytest.raises(httpx.ReadTimeout):
+                client.post("/v1/completions", json=body, timeout=httpx.Timeout(
+                    TIMEOUT, read=0.5))
         wait_for(lambda: tiny.metrics()[("vllm:request_success_total",
                                           (("finished_reason", "abort"),))] == before + 1,
                  "the cancelled request")
@@ -338,11 +360,13 @@ def test_health_and_models(tiny):
     assert models["data"][0]["max_model_len"] == 64
 
 
-def test_a_drain_past_its_grace_period_aborts_what_runs_and_stops_the_server(tiny):
+def test_a_drain_past_its_grace_period_aborts_what_runs_and_stops_the_server(tiny,
+                                                                           monkeypatch):
     """The drain SIGTERM starts (`HTTPServer.drain`), on a server of its own: requests still
     running when the grace period ends finish with "abort", then the server ends."""
     args = serve_args.parse_args(TINY_FLAGS)
     state = build_state(args, model=tiny.model)
+    pause_at_first_tokens(monkeypatch, state, [2, 7, 1, 8])
     server = ServerThread(HTTPServer(state, port=0, grace_period=0.2)).start()
     received: list = []
 
@@ -356,8 +380,7 @@ def test_a_drain_past_its_grace_period_aborts_what_runs_and_stops_the_server(tin
     t = threading.Thread(target=client)
     t.start()
     try:
-        wait_for(lambda: received, "a first token")
-        state.loop.pause()  # it cannot finish by itself now
+        wait_for(lambda: received, "a first token")  # the loop is paused: it cannot finish
         server.server.on_signal(signal.SIGTERM, None)
         t.join(TIMEOUT)
         assert received[-1] == "data: [DONE]"

@@ -197,7 +197,7 @@ def _submit(state: ServerState, kind: str, gen: GenerationRequest) -> JobRespons
 def _unavailable(state: ServerState, error: Exception) -> JSONResponse:
     full = isinstance(error, QueueFull)
     state.metrics.rejected("queue_full" if full else "draining")
-    message = (f"{error}; retry later" if full else "the server is shutting down")
+    message = f"{error}; retry later" if full else str(error)
     return error_response(RequestError(message, None, status=503, kind="service_unavailable"),
                           headers={"Retry-After": str(RETRY_AFTER_S)} if full else None)
 

@@ -179,7 +179,8 @@ def parse_args(argv: list[str] | None = None,
                              "--host-blocks")
                  if getattr(args, f[2:].replace("-", "_")) is not None]
         if given:
-            p.error(f"{', '.join(given)} size the host tier, which --all-resident does not "
+            verb = "sizes" if len(given) == 1 else "size"
+            p.error(f"{', '.join(given)} {verb} the host tier, which --all-resident does not "
                     f"use")
     try:
         spec = model_spec(args)

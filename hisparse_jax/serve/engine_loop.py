@@ -3,11 +3,12 @@
 The engine is not thread-safe; every call on it (add_request, step, cancel, drain, close)
 runs on this thread. Other threads talk to it through a `queue.SimpleQueue` of commands:
 `submit(job)` (a new request; refused with `QueueFull` when `capacity` requests are already
-in the server, or `Draining` once `begin_drain` was called), `cancel(request_id)` and
-`cancel_all()`. After every engine step the loop diffs each live request's
-`Request.generated` against what it already reported and hands each job one `Update` (the
-new token ids, and the finish reason once it finished) through the job's `sink`, which must
-be safe to call from this thread (the server's sinks post into its event loop).
+in the server, or `Draining` once `begin_drain` was called or the loop has ended),
+`cancel(request_id)` and `cancel_all()`. After every engine step the loop diffs each live
+request's `Request.generated` against what it already reported and hands each job one
+`Update` (the new token ids, and the finish reason once it finished) through the job's
+`sink`, which must be safe to call from this thread (the server's sinks post into its
+event loop).
 
 Lifecycle of a job, as its sink sees it: one `Update(accepted=True)` (or one with `rejected`,
 the engine's ValueError message, and nothing after), then updates with tokens, the last one
@@ -111,6 +112,7 @@ class EngineLoop:
         self._outstanding = 0   # submitted and not finished (guarded by _lock)
         self._pending = 0       # submitted, not yet added to the engine (guarded by _lock)
         self._draining = False
+        self._closing = False   # the loop is ending: nothing is taken any more
         self._live: dict[Hashable, Job] = {}   # loop thread only
         self._failures = 0
         self._running = threading.Event()
@@ -141,6 +143,8 @@ class EngineLoop:
     def submit(self, job: Job) -> None:
         """Hands `job` to the engine thread; raises `Draining` or `QueueFull` instead."""
         with self._lock:
+            if self._closing:
+                raise Draining("the engine loop has stopped")
             if self._draining:
                 raise Draining("the server is shutting down")
             if self._outstanding >= self.capacity:
@@ -196,6 +200,8 @@ class EngineLoop:
             log.exception("the engine loop stopped on an unexpected error")
             raise
         finally:
+            with self._lock:
+                self._closing = True
             self._fail_all("the server stopped before the request finished")
             try:
                 self.engine.close()

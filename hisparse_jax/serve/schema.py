@@ -154,8 +154,26 @@ def _stream_options(name: str, value: Any) -> bool:
     return bool(value.get("include_usage"))
 
 
+def _neutral(shown: str, *allowed: Any, why: str) -> _Check:
+    """A standard OpenAI field this server does not implement: accepted only as null or one
+    of `allowed` (values that change nothing; `shown` as JSON), so that clients sending
+    their defaults work."""
+    def check(name: str, value: Any) -> None:
+        if value is None or any(type(value) is type(a) and value == a for a in allowed):
+            return None
+        raise RequestError(f"'{name}' must be {shown} or null: {why}, got {value!r:.60}",
+                           name)
+    return check
+
+
 # The fields both endpoints take, with their checks.
 _COMMON: dict[str, _Check] = {
+    "top_p": _neutral("1", 1, 1.0, why="tokens are sampled from the whole distribution"),
+    "frequency_penalty": _neutral("0", 0, 0.0, why="no penalties are applied"),
+    "presence_penalty": _neutral("0", 0, 0.0, why="no penalties are applied"),
+    "logprobs": _neutral("false", False, why="log-probabilities are not returned"),
+    "echo": _neutral("false", False, why="the prompt is not echoed (see prompt_token_ids)"),
+    "best_of": _neutral("1", 1, why="one choice per request"),
     "model": _str,
     "max_tokens": _int_at_least(1),
     "temperature": _temperature,

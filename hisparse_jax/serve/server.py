@@ -1,14 +1,14 @@
 """Running the app: uvicorn with a draining shutdown, in the main thread or in a thread.
 
-`HTTPServer` binds its socket itself (so `port=0` gets a free port, known before serving)
-and runs uvicorn over `build_app(state)`; the lifespan's end stops the engine loop (which
-closes the engine). SIGTERM or SIGINT starts the drain (`drain`): admission stops (new
-requests and /health answer 503), running and queued requests finish, for at most the
-grace period; then those left are cancelled (their clients get finish_reason "abort"),
-their responses flush, and the server exits; `run()` returns normally, so the process
-exits 0. A second signal during the drain exits at once. uvicorn's own signal capture is
-replaced because it re-raises the signal after its shutdown (the process would then die
-of it, not exit 0).
+`HTTPServer` binds and listens on its socket itself (so `port=0` gets a free port, known
+before serving, and a client may connect as soon as the port is printed) and runs uvicorn
+over `build_app(state)`; the lifespan's end stops the engine loop (which closes the
+engine). SIGTERM or SIGINT starts the drain (`drain`): admission stops (new requests and
+/health answer 503), running and queued requests finish, for at most the grace period;
+then those left are cancelled (their clients get finish_reason "abort"), their responses
+flush, and the server exits; `run()` returns normally, so the process exits 0. A second
+signal during the drain exits at once. uvicorn's own signal capture is replaced because it
+re-raises the signal after its shutdown (the process would then die of it, not exit 0).
 
 `ServerThread` runs an `HTTPServer` in a background thread (no signal handling): for tests
 and for embedding in another program.
@@ -65,6 +65,7 @@ class HTTPServer:
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
+        self.socket.listen(2048)  # connections queue from now on, before uvicorn accepts
         self.host, self.port = host, self.socket.getsockname()[1]
         app = build_app(state, lifespan=self._lifespan)
         config = uvicorn.Config(app, log_level=log_level, lifespan="on",

@@ -329,6 +329,23 @@ def test_an_engine_error_fails_only_its_request_and_the_server_serves_on(tiny, m
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
 
 
+def test_steps_that_keep_failing_fail_the_requests_and_the_server_serves_on(tiny,
+                                                                            monkeypatch):
+    engine = tiny.state.loop.engine
+
+    def broken():
+        raise RuntimeError("the device fell over")
+
+    before = tiny.metrics()[("hisparse_jax:engine_step_failures_total", ())]
+    monkeypatch.setattr(engine, "step", broken)
+    r = tiny.client.post("/v1/completions", json={"prompt": [5, 5], "max_tokens": 3})
+    assert r.status_code == 500 and "3 engine steps failed in a row" in r.text
+    assert tiny.metrics()[("hisparse_jax:engine_step_failures_total", ())] == before + 3
+    monkeypatch.undo()
+    r = tiny.client.post("/v1/completions", json={"prompt": [5, 5], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_metrics_parse_as_prometheus_text_and_move(tiny):
     before = tiny.metrics()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

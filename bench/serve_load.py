@@ -4,7 +4,8 @@
         -- --model tiny --seats 16 --max-model-len 128              # CPU, HiSparse
     python3 -m bench.serve_load --clients 256 --requests 1024 --prompt-len 3072 \\
         --output-len 64 --out serve-gpu.json -- --model dsv32-2l --seats 256 \\
-        --max-model-len 4096 --block-size 64 --gpu-pool-fraction 0.5  # GPU (add --all-resident)
+        --max-model-len 4096 --block-size 64 --prefill-bucket 1024 \\
+        --gpu-pool-fraction 0.5          # GPU, HiSparse (or --all-resident instead of the fraction)
 
 Flags after `--` are the server's (`python3 -m hisparse_jax.serve --help`: the model, its
 residency and sizes); without `--model` the `tiny` config is served. The benchmark starts
@@ -317,6 +318,19 @@ def offline_check(server_args: argparse.Namespace, bodies: list[dict[str, Any]],
             "machine": machine}
 
 
+def package_versions() -> dict[str, str | None]:
+    """The versions of the server's and the clients' packages (None: not installed)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for name in ("jax", "starlette", "uvicorn", "httpx", "prometheus_client", "tokenizers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ours, server_flags = split_argv(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(ours)
@@ -342,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "bench": "serve_load", "args": vars(args), "server_flags": server_flags,
         "mode": "all-resident" if server_args.all_resident else "hisparse",
-        "server_exit_status": exit_status, **figures}
+        "server_exit_status": exit_status, "packages": package_versions(), **figures}
     check = None if args.no_check else offline_check(server_args, bodies, results)
     record["offline"] = check
     record["outputs_equal_offline"] = None if check is None else check["equal"]

@@ -119,7 +119,6 @@ class EngineLoop:
         self._running.set()     # cleared by pause(): the loop takes commands but never steps
         self._thread = threading.Thread(target=self._run, name="hisparse-engine-loop",
                                         daemon=True)
-        self._stopped = threading.Event()
 
     # ------------------------------------------------------------------ any thread
 
@@ -203,10 +202,7 @@ class EngineLoop:
             with self._lock:
                 self._closing = True
             self._fail_all("the server stopped before the request finished")
-            try:
-                self.engine.close()
-            finally:
-                self._stopped.set()
+            self.engine.close()
 
     def _take_commands(self) -> bool:
         """Runs the queued commands (blocking for one while there is nothing to step); False

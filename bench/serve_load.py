@@ -192,7 +192,11 @@ async def run_clients(url: str, bodies: list[dict[str, Any]], clients: int,
     todo = iter(range(len(bodies)))
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    # An idle pooled connection expires on the client before the server's keep-alive timeout
+    # (uvicorn's default 5 s) closes it: else a request sent on a connection the server is
+    # closing fails with a ReadError (seen once in 512 on the GPU).
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients,
+                          keepalive_expiry=2.0)
     timeout = httpx.Timeout(time_limit + 60.0, connect=60.0)
 
     async def worker(client: Any) -> None:

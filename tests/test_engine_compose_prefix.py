@@ -59,7 +59,7 @@ MODEL = dataclasses.replace(models.get_config("tiny", mtp_layers=1), kv_dtype="f
 # hits find host-only pages (restored, or staged). Speculation's hot regions hold a step's
 # (1 + k) * top_k rows.
 PRESSURE = {"async": dict(num_gpu_blocks=28, num_host_blocks=60),
-            "spec": dict(num_gpu_blocks=22, num_host_blocks=60, hot_size=48)}
+            "spec": dict(num_gpu_blocks=28, num_host_blocks=60, hot_size=48)}
 
 
 @functools.cache
@@ -208,11 +208,11 @@ def _check_run(engine, outs, *, kind):
     s = engine.summary()
     assert s["prefix_hit_requests"] > 0 and s["prefix_hit_tokens"] > 0, s
     if kind in ("pressure", "stage"):  # the host tier worked, and hits read host pages
-        assert s["hot_grants"] > 0 and s["unpinned_pages"] > 0, s
-        if kind == "stage":
+        assert s["unpinned_pages"] > 0, s
+        if kind == "stage":  # (a staged hit's hot region comes with its admission)
             assert s["staged_rows_host"] > 0 and s["prefix_restored_pages"] == 0, s
         else:
-            assert s["prefix_restored_pages"] > 0, s
+            assert s["hot_grants"] > 0 and s["prefix_restored_pages"] > 0, s
     if engine.config.num_speculative_tokens:
         assert 0 < s["accepted_tokens"] < s["draft_tokens"], s  # drafts kept and rejected
     if engine.config.async_scheduling:
@@ -369,18 +369,30 @@ def test_a_rejected_draft_never_names_a_page(reference, kind):
 # --------------------------------------------------------------------------- random mixes
 
 
-@functools.cache
-def _mix_engine(feature: str):
-    return _engine(feature, "stage" if feature == "async" else "pressure", 6)
+@pytest.fixture(scope="module")
+def mix_engines():
+    """One chunked engine per feature under pool pressure (hit pages restored), kept for the
+    examples (each leaves it idle)."""
+    engines = {feature: (_engine(feature, "pressure", 6), []) for feature in ("async", "spec")}
+    yield engines  # feature -> (engine, the requests it served)
+    for engine, _ in engines.values():
+        engine.close()
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(feature=st.sampled_from(["async", "spec"]), seed=st.integers(0, 2 ** 16),
-       conversations=st.integers(1, 3), turns=st.integers(1, 3))
-def test_random_multi_turn_mixes_decode_what_all_resident_decodes(reference, feature, seed,
-                                                                  conversations, turns):
-    engine = _mix_engine(feature)
-    converse(engine, reference, _mix(seed, conversations=conversations, turns=turns))
+       conversations=st.integers(1, 3), turns=st.integers(1, 3),
+       stop=st.none() | st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 4)))
+def test_random_multi_turn_mixes_decode_what_all_resident_decodes(reference, mix_engines,
+                                                                  feature, seed, conversations,
+                                                                  turns, stop):
+    engine, served = mix_engines[feature]
+    convs = _mix(seed, conversations=conversations, turns=turns)
+    if stop is not None:  # (conversation, turn, index of its output that is a stop token)
+        c, t, j = stop
+        convs[c % conversations][t % turns]["stop_at"] = j
+    served += converse(engine, reference, _stops_from_reference(convs, reference))
+    _published_by_real_tokens(engine, served)
     assert_idle(engine)
 
 

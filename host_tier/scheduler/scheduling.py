@@ -133,6 +133,10 @@ def check_batch_placeholders(new_token_ids: Sequence[Sequence[int]],
             f"schedule_batch: num_placeholders has {len(num_placeholders)} entries, "
             f"new_token_ids {len(new_token_ids)}; they must have one entry per request (or be "
             "None)")
+    # One pass of cheap checks (an asynchronous engine's decode step: 0 or 1 per request).
+    if all([type(k) is int and 0 <= k <= len(tokens)
+            for tokens, k in zip(new_token_ids, num_placeholders, strict=True)]):
+        return num_placeholders
     return [check_placeholders(f"schedule_batch[{i}]", tokens, k)
             for i, (tokens, k) in enumerate(zip(new_token_ids, num_placeholders, strict=True))]
 
@@ -284,9 +288,11 @@ class Scheduling:
                     results.append(None)
                 else:
                     results.append(self._schedule_checked(*args))
-        if placeholders is not None and any(placeholders):
+        if placeholders is not None:
             for r, k, result in zip(records, placeholders, results, strict=True):
-                if k and result is None:
+                if k == 1 and result is None:  # (an asynchronous step's pending token)
+                    r.placeholders.add(len(r.token_ids) - 1)
+                elif k and result is None:
                     n = len(r.token_ids)
                     r.placeholders.update(range(n - k, n))
         return results
@@ -311,14 +317,18 @@ class Scheduling:
         if not token_updates_ok(records, updates):
             check_token_updates(records, updates)
             updates = [(rid, int(index), int(token)) for rid, index, token in updates]
-        known: dict[int, RequestRecord] = {}  # requests whose placeholders were set
+        B = self.block_size
+        ready: dict[int, RequestRecord] = {}  # requests whose set ids end a blocked prefix
         for r, (_, index, token) in zip(records, updates, strict=True):
             r.token_ids[index] = token
             if index in r.placeholders:
                 r.placeholders.discard(index)
-                known[id(r)] = r
-        if known and self.prefix_cache.enabled:
-            for r in known.values():  # pages whose ids are all known now may publish
+                # Its page may publish now if its host copy completed (else it publishes
+                # when the copy completes, `on_transfers`).
+                if index // B in r.valid:
+                    ready[id(r)] = r
+        if ready and self.prefix_cache.enabled:
+            for r in ready.values():
                 self.prefix_cache.advance_and_publish(r, record_copies=True)
 
     def _check_schedule(self, what: str, request_id: Hashable, num_tokens: int | None,

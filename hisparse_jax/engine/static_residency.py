@@ -40,6 +40,7 @@ import numpy as np
 from hisparse_jax.config import HiSparseConfig
 from host_tier import Admitted, BlockTables, RequestView, Wait
 from host_tier.plan import StepPlan, StepWrite, TransferReport
+from host_tier.sizes import is_int
 
 
 @dataclasses.dataclass
@@ -209,7 +210,7 @@ class StaticResidency:
             tokens = self._tokens.get(rid)
             if tokens is None:
                 raise ValueError(f"set_token_ids[{i}]: request_id {rid!r} is not admitted")
-            if not 0 <= index < len(tokens):
+            if not is_int(index) or not 0 <= index < len(tokens):
                 raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
                                  f"{len(tokens)}) (request {rid!r}'s known tokens), got "
                                  f"{index!r}")

@@ -154,7 +154,10 @@ def converse(engine, reference, conversations):
                 stop_token_ids=t.get("stop", ()), seed=t["seed"])
         if not running:
             break
-        engine.step()
+        try:
+            engine.step()
+        except RuntimeError as e:  # an injected failure: the engine recovered
+            assert "injected failure" in str(e)
         for c, rid in list(running.items()):
             out = engine.finished.get(rid)
             if out is None:
@@ -268,6 +271,31 @@ def _stops_from_reference(convs, reference):
                 out = out[:out.index(out[j]) + 1]
             history[c] = [*want.prompt, *out]
     return convs
+
+
+@pytest.mark.parametrize("feature", ["async", "spec"])
+def test_failed_steps_recover_and_decode_what_all_resident_decodes(reference, feature):
+    """Decode steps that fail (injected, three times) preempt their batch (asynchronous: the
+    step in flight is collected first, then the failed one recovered); the requests replay,
+    and prefix hits, publications and tokens are as without failures."""
+    engine = _engine(feature, "pressure", 5)
+    calls = {"n": 0}
+    for name, step in list(engine.runner.jitted.items()):
+        if name.startswith("decode"):
+            def failing(*args, _step=step, **kwargs):
+                calls["n"] += 1
+                if calls["n"] in (9, 23, 40):
+                    raise RuntimeError("injected failure")
+                return _step(*args, **kwargs)
+            engine.runner.jitted[name] = failing
+    try:
+        convs = _mix(3)
+        convs[2][1]["stop_at"] = 2
+        outs = converse(engine, reference, _stops_from_reference(convs, reference))
+        assert engine.metrics.preemptions > 0 and engine.metrics.replayed_tokens > 0
+        _check_run(engine, outs, kind="pressure")
+    finally:
+        engine.close()
 
 
 # --------------------------------------------------------------------------- no wrong page

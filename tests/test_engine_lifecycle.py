@@ -203,8 +203,6 @@ def test_capacity_error_for_a_request_the_pools_can_never_hold():
      "EngineConfig.tuning.pack_host_layers must be a bool"),
     (lambda: dict(residency=HiSparse(per_row="yes")),
      "EngineConfig.residency.per_row must be a bool"),
-    (lambda: dict(prefill=PrefillPolicy(prefix_caching=True), async_scheduling=True),
-     "EngineConfig.prefill.prefix_caching needs EngineConfig.async_scheduling=False"),
     (lambda: dict(topk_source=object()), "EngineConfig.topk_source must be a"),
     (lambda: dict(tuning=Tuning(ops="bogus")),
      r"EngineConfig.tuning.ops must be one of \('reference'"),

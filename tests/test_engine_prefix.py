@@ -17,7 +17,8 @@ tokens for the tiny model on a CPU):
     pages are restored from the host pool;
   * the key store holds exactly the published pages' keys once the engine is idle (entries go
     with evicted pages: no unbounded growth);
-  * config refusals.
+  * config refusals (speculation and asynchronous scheduling compose with it:
+    `tests/test_engine_compose_prefix.py`).
 """
 
 from __future__ import annotations
@@ -318,12 +319,24 @@ def test_the_key_store_drops_evicted_pages():
      "EngineConfig.prefill.prefix_caching needs EngineConfig.residency other than NaiveOffload"),
     (lambda: dict(topk_source=DriftTopK()),
      "EngineConfig.prefill.prefix_caching needs the indexer"),
-    (lambda: dict(speculative=Speculative(num_tokens=1)),
-     "EngineConfig.prefill.prefix_caching needs EngineConfig.speculative=None"),
+    (lambda: dict(speculative=Speculative(num_tokens=1), async_scheduling=True),
+     "EngineConfig.async_scheduling needs EngineConfig.speculative=None"),
 ])
 def test_prefix_config_is_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**{"prefill": PrefillPolicy(prefix_caching=True), **kwargs()})
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(speculative=Speculative(num_tokens=1)),
+    dict(async_scheduling=True),
+    dict(async_scheduling=True, prefill=PrefillPolicy(prefix_caching=True, chunk_size=8,
+                                                      prefix_hit_pages="stage")),
+], ids=["speculation", "async", "async-chunked-stage"])
+def test_prefix_caching_composes_with_speculation_and_async_scheduling(kwargs):
+    # Pages publish once their tokens are known (tests/test_engine_compose_prefix.py).
+    config = EngineConfig(**{"prefill": PrefillPolicy(prefix_caching=True), **kwargs})
+    assert config.prefill.prefix_caching
 
 
 def test_the_mesh_engine_refuses_prefix_caching():

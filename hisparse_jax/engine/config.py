@@ -189,14 +189,7 @@ class EngineConfig:
                      "every row from host and keeps nothing on the device to reuse"),
                     (self.topk_source is not None,
                      "the indexer (EngineConfig.topk_source None): a hit copies the prefix's "
-                     "index keys"),
-                    (self.speculative is not None,
-                     "EngineConfig.speculative=None: a page's index keys are kept when it "
-                     "seals, which a speculative step's rows do not tell"),
-                    (self.async_scheduling,
-                     "EngineConfig.async_scheduling=False: a page hashes its token ids when it "
-                     "seals, and an asynchronous step's newest token is still on the device "
-                     "then")):
+                     "index keys")):
                 if broken:
                     raise ValueError(f"EngineConfig.prefill.prefix_caching needs {rule}")
         if self.prefill.prefix_hit_pages == "stage" and isinstance(self.residency, AllResident):

@@ -156,7 +156,7 @@ class PrefillPolicy:
         instead: a state row freed by a finished request keeps its rows, and a later prompt
         that extends them (the next turn of a conversation) is admitted into that row and
         prefills only the rest (`StaticResidency`). Not with `NaiveOffload()`; needs the
-        indexer, no speculation and synchronous scheduling (`EngineConfig`'s rules).
+        indexer (`EngineConfig`'s rules).
       prefix_hit_pages: "restore" (default) or "stage": how a prefix hit's pages without a
         device copy are read by its prefill. "restore" gives each a resident block and a
         whole-page restore from host before the prefill; "stage" leaves them host-only (read

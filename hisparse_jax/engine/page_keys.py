@@ -18,6 +18,15 @@ from hisparse_jax.engine.request import Request
 from host_tier.scheduler.prefix_cache import page_hash
 
 
+def recorded_rows(req: Request) -> int:
+    """Leading rows of `req`'s seat whose tokens the engine has recorded, so final on the
+    device: its prefilled prompt tokens, then prompt + generated tokens of this admission
+    (`live`: accepted drafts included once recorded, an asynchronous step's pending token
+    once collected). Rows past them may still change: a rejected draft's row is rewritten by
+    the next step."""
+    return req.num_prefilled if req.prefilling else len(req.prompt) + req.live
+
+
 class PageKeys:
     """Index keys of published pages for one engine (module docstring).
 
@@ -48,7 +57,11 @@ class PageKeys:
 
     def stage(self, req: Request, num_written: int, runner: Any) -> None:
         """Keeps the keys of `req`'s pages sealed since the last call (its seat in `runner`
-        holds rows [0, num_written)): they may be published later (`prefix_keys.py`)."""
+        holds rows [0, num_written), at most `recorded_rows`: never a draft's row): they may
+        be published later (`prefix_keys.py`)."""
+        assert num_written <= recorded_rows(req), (
+            f"request {req.request_id!r}: rows [0, {num_written}) staged, only "
+            f"{recorded_rows(req)} recorded")
         pages = num_written // self.block_size
         if pages <= req.key_pages:
             return
@@ -63,13 +76,20 @@ class PageKeys:
     def on_publish(self, request_id: Hashable, page: int, h: bytes) -> None:
         """The coordinator published `page` of a request (`Coordinator.listen`): its keys are
         kept from then on; copied from its seat now if its step has not staged them yet (the
-        page sealed in this step's decode, whose tokens are collected after the reports)."""
+        page sealed in this step's decode, whose tokens are collected after the reports).
+
+        Only rows of tokens the engine recorded are ever copied (`recorded_rows`): the rows
+        of a speculative step's drafts, rejected ones included, are never counted by the
+        coordinator, so they seal and publish nothing, and the rows of an asynchronous step's
+        pending token publish once their id is set. AssertionError otherwise."""
         store = self.store
         if store.on_publish(h):
             return
         req = self.scheduler.running.get(request_id)
         if req is None or req.seat < 0:
             return  # keys unknown: a prompt hitting this page fails its prefill (never seen)
+        assert (page + 1) * self.block_size <= recorded_rows(req), (
+            f"request {request_id!r}: page {page} published before its tokens were recorded")
         (keys,) = self.runner.read_page_keys(req.seat, [page])
         store.stage(request_id, h, keys)
         self.owners.add(request_id)

@@ -10,7 +10,8 @@ by its chained content hash (`host_tier.scheduler.prefix_cache.page_hash`).
 
 Lifecycle of an entry (the engine drives it, `hisparse_jax/engine/engine.py`):
 
-  * `stage`: a page of a running request sealed (its B tokens computed, its keys final): the
+  * `stage`: a page of a running request sealed (its B tokens computed and recorded, its keys
+    final: never a speculative draft's row, which the next step may rewrite): the
     engine copies its keys from the request's seat, while the seat still holds them, and
     names the request an owner (it may publish the page later: its host copy completes
     after the forward; a finished request's last copies may complete after its seat is

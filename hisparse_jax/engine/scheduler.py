@@ -56,7 +56,9 @@ from host_tier.plan import StepPlan
 
 PENDING_TOKEN = 0
 """The token id the residency manager gets for a token still on the device (asynchronous
-scheduling) until the engine sets the real one (`set_token_ids`)."""
+scheduling), named a placeholder (`schedule_batch(num_placeholders=...)`: no page holding it
+is hashed, published or kept for reuse) until the engine sets the real one
+(`set_token_ids`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +156,12 @@ class Scheduler:
         `in_flight` (asynchronous scheduling, `EngineConfig.async_scheduling`): the ids of the
         requests whose decode step is dispatched but not collected. Each counts one more
         token than it recorded: its pending token, which the manager gets as a placeholder
-        (`PENDING_TOKEN`; the engine sets the real id when it arrives,
-        `set_token_ids`) unless it is a replayed (known) one. One that will have finished
-        by then on the host's knowledge (`max_new_tokens`, max_model_len) is not scheduled;
-        a stop token is learned a step late (the engine drops the extra row). With requests
-        in flight, a pass that schedules nothing returns None without preempting or failing
-        anyone (the engine collects the step in flight first)."""
+        (`PENDING_TOKEN`, named in `num_placeholders`; the engine sets the real id when it
+        arrives, `set_token_ids`) unless it is a replayed (known) one. One that will have
+        finished by then on the host's knowledge (`max_new_tokens`, max_model_len) is not
+        scheduled; a stop token is learned a step late (the engine drops the extra row).
+        With requests in flight, a pass that schedules nothing returns None without
+        preempting or failing anyone (the engine collects the step in flight first)."""
         manager, m = self.manager, self.metrics
         self.pass_decode, self.pass_admitted, self.pass_chunks = [], [], []
         self._budget = self.max_prefill_tokens
@@ -181,15 +183,11 @@ class Scheduler:
             lookahead = [len(d) for d in drafts]
         else:
             drafts, lookahead = [[]] * len(decoding), None
-        if in_flight:
-            new_tokens = [self._known_tokens(req, req.request_id in in_flight)
-                          for req in decoding]
-        else:
-            new_tokens = [req.generated[req.counted:req.live] for req in decoding]
+        new_tokens, pending = self._decode_tokens(decoding, in_flight)
         # One manager call for every decoding request (the per-request calls cost more host
         # time than the scheduling itself at hundreds of requests).
         results = manager.schedule_batch([req.request_id for req in decoding], new_tokens,
-                                          lookahead)
+                                          lookahead, **pending)
         if not self.num_speculative_tokens and not any(results):  # every request scheduled
             no_drafts = drafts[0] if drafts else []
             for req, tokens in zip(decoding, new_tokens, strict=True):
@@ -235,6 +233,19 @@ class Scheduler:
         after = max(len(req.generated), req.live + 1)  # generated tokens once it is recorded
         return ((req.max_new_tokens is not None and after >= req.max_new_tokens)
                 or len(req.prompt) + after >= self.cfg.max_model_len)
+
+    def _decode_tokens(self, decoding: list[Request], in_flight: frozenset[Hashable]
+                       ) -> tuple[list[list[int]], dict[str, list[int]]]:
+        """The new tokens each of `decoding` hands the manager in this pass, and the
+        keyword arguments of `schedule_batch` that name its placeholders: with a step in
+        flight, a pending token is one (no page holding it is hashed or published before
+        the engine sets its id, `set_token_ids`)."""
+        if not in_flight:
+            return [req.generated[req.counted:req.live] for req in decoding], {}
+        tokens = [self._known_tokens(req, req.request_id in in_flight) for req in decoding]
+        pending = [int(req.request_id in in_flight and req.live >= len(req.generated))
+                   for req in decoding]
+        return tokens, {"num_placeholders": pending}
 
     @staticmethod
     def _known_tokens(req: Request, in_flight: bool) -> list[int]:

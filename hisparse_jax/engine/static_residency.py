@@ -40,6 +40,7 @@ import numpy as np
 from hisparse_jax.config import HiSparseConfig
 from host_tier import Admitted, BlockTables, RequestView, Wait
 from host_tier.plan import StepPlan, StepWrite, TransferReport
+from host_tier.sizes import is_int
 
 
 @dataclasses.dataclass
@@ -87,8 +88,10 @@ class StaticResidency:
         self.max_model_len = cfg.max_model_len
         self.enable_prefix_caching = reuse_seats
         # Seat reuse: each admitted request's token ids (prompt, then scheduled new tokens),
-        # and per free state row the written rows' token ids it keeps, oldest first.
+        # the indices of those that are placeholders (ids not set yet: `set_token_ids`), and
+        # per free state row the written rows' token ids it keeps, oldest first.
         self._tokens: dict[Hashable, list[int]] = {}
+        self._placeholders: dict[Hashable, set[int]] = {}
         self._kept: dict[int, np.ndarray] = {}
 
     def __contains__(self, request_id: Hashable) -> bool:
@@ -159,18 +162,27 @@ class StaticResidency:
         self._kept.clear()
 
     def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
-                 new_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0) -> None:
+                 new_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0,
+                 num_placeholders: int = 0) -> None:
+        """`Coordinator.schedule`; the last `num_placeholders` new token ids are not known
+        yet (set by `set_token_ids`): a row keeps no token from the first one that is still
+        a placeholder when its request finishes."""
         del num_lookahead_tokens  # every page of the seat is resident already
         seat = self._seats[request_id]
         seat.num_tokens += len(new_token_ids)
         if self.enable_prefix_caching:
-            self._tokens[request_id].extend(int(t) for t in new_token_ids)
+            tokens = self._tokens[request_id]
+            tokens.extend(int(t) for t in new_token_ids)
+            if num_placeholders:
+                self._placeholders.setdefault(request_id, set()).update(
+                    range(len(tokens) - num_placeholders, len(tokens)))
         seat.scheduled = seat.num_tokens - seat.num_computed if num_tokens is None else num_tokens
         self._pass.append(request_id)
 
     def schedule_batch(self, request_ids: Sequence[Hashable],
                        new_token_ids: Sequence[Sequence[int]],
-                       num_lookahead_tokens: Sequence[int] | None = None) -> list[None]:
+                       num_lookahead_tokens: Sequence[int] | None = None, *,
+                       num_placeholders: Sequence[int] | None = None) -> list[None]:
         """`schedule` for each request in order (`Coordinator.schedule_batch`); never waits.
 
         Raises:
@@ -184,13 +196,26 @@ class StaticResidency:
         for i, rid in enumerate(request_ids):
             if rid not in self._seats:
                 raise ValueError(f"schedule_batch[{i}]: request_id {rid!r} is not admitted")
-        for rid, tokens in zip(request_ids, new_token_ids, strict=True):
-            self.schedule(rid, new_token_ids=tokens)
+        placeholders = [0] * len(request_ids) if num_placeholders is None else num_placeholders
+        for rid, tokens, k in zip(request_ids, new_token_ids, placeholders, strict=True):
+            self.schedule(rid, new_token_ids=tokens, num_placeholders=k)
         return [None] * len(request_ids)
 
     def set_token_ids(self, updates: Sequence[tuple[Hashable, int, int]]) -> None:
-        """`Coordinator.set_token_ids`: nothing to set (no token history is kept)."""
-        del updates
+        """`Coordinator.set_token_ids`: with seat reuse, sets the ids in the token history
+        (a placeholder's real id; rows are kept by their ids); without it, nothing is kept."""
+        if not self.enable_prefix_caching:
+            return
+        for i, (rid, index, token) in enumerate(updates):
+            tokens = self._tokens.get(rid)
+            if tokens is None:
+                raise ValueError(f"set_token_ids[{i}]: request_id {rid!r} is not admitted")
+            if not is_int(index) or not 0 <= index < len(tokens):
+                raise ValueError(f"set_token_ids[{i}]: index must be an int in [0, "
+                                 f"{len(tokens)}) (request {rid!r}'s known tokens), got "
+                                 f"{index!r}")
+            tokens[index] = int(token)
+            self._placeholders.get(rid, set()).discard(index)
 
     def build_plan(self) -> StepPlan:
         writes = []
@@ -242,8 +267,12 @@ class StaticResidency:
         if seat.scheduled:  # scheduled in the open pass, but its step will not run
             self._pass.remove(request_id)
         tokens = self._tokens.pop(request_id, None)
-        if keep and tokens is not None and seat.num_computed:
-            self._kept[seat.state_row] = np.asarray(tokens[:seat.num_computed], np.int64)
+        unknown = self._placeholders.pop(request_id, None)
+        # Rows up to the first placeholder: a row kept under a wrong id would be reused for
+        # a prompt it does not match (a stop token learned a step late leaves one).
+        written = min(seat.num_computed, *unknown) if unknown else seat.num_computed
+        if keep and tokens is not None and written:
+            self._kept[seat.state_row] = np.asarray(tokens[:written], np.int64)
         heapq.heappush(self._free_rows, seat.state_row)
 
     def cancel(self, request_id: Hashable) -> None:

@@ -225,10 +225,10 @@ class Coordinator(Admission, Scheduling):
                on_unpublish: Callable[[bytes], None] | None = None) -> None:
         """Registers the listeners of published pages (None: none): `on_publish(request_id,
         page, page_hash)` when a page of a request is published (called from `on_transfers`,
-        `finish` or `cancel`; a finished request's last pages may publish after its state row
-        is reused), `on_unpublish(page_hash)` when its host block is handed out again (the
-        page is evicted: later prompts no longer hit it). Listeners must not call the
-        coordinator."""
+        `finish`, `cancel` or `set_token_ids`; a finished request's last pages may publish
+        after its state row is reused), `on_unpublish(page_hash)` when its host block is
+        handed out again (the page is evicted: later prompts no longer hit it). Listeners must
+        not call the coordinator."""
         self.prefix_cache.on_publish = on_publish
         self.host_pool.on_unpublish = on_unpublish
 

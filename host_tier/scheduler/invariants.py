@@ -15,6 +15,7 @@
     is sealed, dirty, not pending and still resident;
   - requests listed as failed are running and marked failed; requests waiting to spill a failed
     page again are running;
+  - no hashed or published page of a request holds a placeholder token id;
   - the prefix cache's device-copy index is consistent; state rows are used at most once.
 """
 
@@ -120,6 +121,11 @@ def _check_request(r: RequestRecord, *, hot_blocks: int, planner: SpillPlanner,
         ready += 1
     assert r.ready_prefix == ready, f"{name}: ready prefix {r.ready_prefix} != {ready}"
     assert r.num_published <= max(r.ready_prefix, 0), f"{name}: published past ready"
+    if r.placeholders:
+        first = min(r.placeholders)
+        assert max(r.placeholders) < len(r.token_ids), f"{name}: placeholder past its tokens"
+        assert max(r.num_published, len(r.page_hashes)) * planner.block_size <= first, (
+            f"{name}: a hashed or published page holds the placeholder token {first}")
     pinned_clean = set()
     for p, block in enumerate(r.res_blocks):
         if block == NULL_BLOCK:

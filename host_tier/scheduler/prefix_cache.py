@@ -12,6 +12,8 @@ prefix up to the page's end). The cache
   - publishes a request's pages once their host copies completed and every earlier page is
     durable too (`advance_and_publish`): the host pool's hash index names them from then on;
     a finished request with copies in flight publishes once they complete (`detach`, `settle`);
+    a page holding a token id the caller does not know yet (a placeholder) is neither hashed
+    nor published until the id is set;
   - indexes device blocks holding a copy of a published page (`copies`), for as long as the
     block is not reused (`forget_block`), and lets later prefix hits adopt them (`adopt`).
 
@@ -162,8 +164,13 @@ class PrefixCache:
                 self.stats["adopted_pages"] += 1
 
     def page_hash(self, r: RequestRecord, page: int) -> bytes:
-        """The hash of `r`'s full page `page` (cached in `r.page_hashes`)."""
+        """The hash of `r`'s full page `page` (cached in `r.page_hashes`). Its tokens are known:
+        a placeholder id (`RequestRecord.placeholders`) would name the page by a token it
+        does not hold, and a later prompt would hit rows of another token."""
         B = self.block_size
+        assert not r.placeholders or (page + 1) * B <= min(r.placeholders), (
+            f"request {r.request_id!r}: page {page} holds a placeholder token id (hashed "
+            "before set_token_ids)")
         while len(r.page_hashes) <= page:
             p = len(r.page_hashes)
             parent = r.page_hashes[-1] if r.page_hashes else None
@@ -172,14 +179,18 @@ class PrefixCache:
 
     def advance_and_publish(self, r: RequestRecord, *, record_copies: bool) -> None:
         """Extends `r.ready_prefix` over its leading valid pages and publishes the full pages of
-        that prefix (the first published copy of a hash wins), unless `r` failed (a failed
-        restore left rows of it wrong: it publishes nothing). With `record_copies`, each
+        that prefix (the first published copy of a hash wins), up to the first page that holds
+        a placeholder token id (published once `set_token_ids` sets it), unless `r` failed (a
+        failed restore left rows of it wrong: it publishes nothing). With `record_copies`, each
         published page's resident block is indexed as a device copy."""
         while r.ready_prefix in r.valid:
             r.ready_prefix += 1
         if not self.enabled or r.failed:
             return
-        limit = min(r.ready_prefix, r.num_computed // self.block_size)
+        B = self.block_size
+        limit = min(r.ready_prefix, r.num_computed // B)
+        if r.placeholders:
+            limit = min(limit, min(r.placeholders) // B)
         for p in range(r.num_published, limit):
             h = self.page_hash(r, p)
             if self.host_pool.cache(r.host_blocks[p], h) and self.on_publish is not None:

@@ -88,7 +88,8 @@ class RequestRecord:
     `unpinned <= valid`; `pending` and `valid` are disjoint; `ready_prefix` is the number of
     leading valid pages and `num_published <= ready_prefix`; `num_nonresident` counts the null
     entries of `res_blocks`, each of which is a valid page with a host block, read through the
-    hot region (`hot` holds 0 or `hot_blocks` blocks).
+    hot region (`hot` holds 0 or `hot_blocks` blocks); the hashed and the published pages end at
+    or before the page of the first placeholder.
     """
 
     request_id: Hashable
@@ -113,6 +114,9 @@ class RequestRecord:
     detached_pages: int = -1  # >= 0 once finished with publications still pending
     num_nonresident: int = 0  # NULL entries of res_blocks (pages read from host)
     failed: bool = False  # a restore into its pages failed: nothing of it is ever published
+    # Indices of token ids not known yet (`schedule(num_placeholders=...)` until
+    # `set_token_ids`): no page holding one is hashed or published.
+    placeholders: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def prefilling(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from host_tier.scheduler import capacity
 from host_tier.scheduler.block_pool import NULL_BLOCK, BlockPool
+from host_tier.scheduler.prefix_cache import PrefixCache
 from host_tier.scheduler.records import (
     INT64_END,
     INT64_MIN,
@@ -111,6 +112,35 @@ def check_batch(request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequenc
     return num_lookahead_tokens
 
 
+def check_placeholders(what: str, new_token_ids: Sequence[int], num_placeholders: Any) -> int:
+    """`num_placeholders` of `schedule` (`what` names the call) as an int in
+    [0, len(new_token_ids)] (ValueError otherwise)."""
+    if not is_int(num_placeholders) or not 0 <= num_placeholders <= len(new_token_ids):
+        raise ValueError(f"{what}: num_placeholders must be an int in [0, "
+                         f"{len(new_token_ids)}] (the new tokens whose ids are not known yet), "
+                         f"got {num_placeholders!r}")
+    return int(num_placeholders)
+
+
+def check_batch_placeholders(new_token_ids: Sequence[Sequence[int]],
+                             num_placeholders: Sequence[int] | None) -> Sequence[int] | None:
+    """`schedule_batch`'s `num_placeholders`: None, or one entry per request, each as
+    `check_placeholders` wants."""
+    if num_placeholders is None:
+        return None
+    if len(num_placeholders) != len(new_token_ids):
+        raise ValueError(
+            f"schedule_batch: num_placeholders has {len(num_placeholders)} entries, "
+            f"new_token_ids {len(new_token_ids)}; they must have one entry per request (or be "
+            "None)")
+    # One pass of cheap checks (an asynchronous engine's decode step: 0 or 1 per request).
+    if all([type(k) is int and 0 <= k <= len(tokens)
+            for tokens, k in zip(new_token_ids, num_placeholders, strict=True)]):
+        return num_placeholders
+    return [check_placeholders(f"schedule_batch[{i}]", tokens, k)
+            for i, (tokens, k) in enumerate(zip(new_token_ids, num_placeholders, strict=True))]
+
+
 def token_updates_ok(records: Sequence[RequestRecord | None],
                      updates: Sequence[tuple[Hashable, int, int]]) -> bool:
     """Whether every `set_token_ids` update is a plain int index into a running request's
@@ -147,6 +177,7 @@ class Scheduling:
     max_model_len: int
     device_pool: BlockPool
     stats: collections.Counter[str]
+    prefix_cache: PrefixCache
     residency_policy: ResidencyPolicy
     spill_planner: SpillPlanner
     _log: PassLog
@@ -154,8 +185,8 @@ class Scheduling:
     _pass: list[RequestRecord]
 
     def schedule(self, request_id: Hashable, num_tokens: int | None = None, *,
-                 new_token_ids: Sequence[int] = (),
-                 num_lookahead_tokens: int = 0) -> Wait | None:
+                 new_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0,
+                 num_placeholders: int = 0) -> Wait | None:
         """Schedules the next `num_tokens` tokens of a running request in this pass.
 
         `new_token_ids` are appended first (e.g. the token sampled by the previous step); by
@@ -170,30 +201,43 @@ class Scheduling:
         position again (as a token) once its row is final; until then the row may be
         rewritten by a later step (`docs/semantics.md`, speculative rows).
 
+        `num_placeholders` (an int in [0, len(new_token_ids)]): the last that many new token
+        ids are placeholders, e.g. a token still on the device (an engine's asynchronous
+        step): they count like any token, but no page holding one is hashed or published
+        until `set_token_ids` sets its id.
+
         Returns:
           None when scheduled; `Wait` (nothing changed) when the device pool is short.
 
         Raises:
           ValueError: unknown request, already scheduled in this pass, invalid tokens, more
-            than max_model_len tokens, or num_lookahead_tokens out of range.
+            than max_model_len tokens, num_lookahead_tokens or num_placeholders out of range.
         """
         r = self._requests.get(request_id)
+        k = check_placeholders("schedule", new_token_ids, num_placeholders)
         if num_tokens is None and on_fast_path(
                 [r], [new_token_ids], [num_lookahead_tokens], block_size=self.block_size,
                 max_model_len=self.max_model_len)[0]:
             r.token_ids.append(new_token_ids[0])
             r.scheduled = 1
             self._pass.append(r)
-            return None
-        return self._schedule_checked(*self._check_schedule(
-            "schedule", request_id, num_tokens, new_token_ids, num_lookahead_tokens))
+            result = None
+        else:
+            result = self._schedule_checked(*self._check_schedule(
+                "schedule", request_id, num_tokens, new_token_ids, num_lookahead_tokens))
+        if k and result is None:
+            n = len(r.token_ids)
+            r.placeholders.update(range(n - k, n))
+        return result
 
     def schedule_batch(self, request_ids: Sequence[Hashable],
                        new_token_ids: Sequence[Sequence[int]],
-                       num_lookahead_tokens: Sequence[int] | None = None) -> list[Wait | None]:
+                       num_lookahead_tokens: Sequence[int] | None = None, *,
+                       num_placeholders: Sequence[int] | None = None) -> list[Wait | None]:
         """Schedules running requests in this pass, in order, with every known token: the same
         as `schedule(request_ids[i], new_token_ids=new_token_ids[i],
-        num_lookahead_tokens=num_lookahead_tokens[i])` for each i, in one call.
+        num_lookahead_tokens=num_lookahead_tokens[i], num_placeholders=num_placeholders[i])`
+        for each i, in one call.
 
         An engine's decode step schedules every running request; at hundreds of requests the
         per-call overhead of `schedule` was a large part of the host time between model steps.
@@ -207,6 +251,7 @@ class Scheduling:
           request_ids: running requests, each at most once.
           new_token_ids: per request, the tokens to append first (`schedule`'s new_token_ids).
           num_lookahead_tokens: per request, `schedule`'s num_lookahead_tokens; None: all 0.
+          num_placeholders: per request, `schedule`'s num_placeholders; None: all 0.
 
         Returns:
           Per request, what `schedule` returns: None when scheduled, else `Wait`.
@@ -216,6 +261,7 @@ class Scheduling:
             `schedule` would reject (the message names its index).
         """
         lookahead = check_batch(request_ids, new_token_ids, num_lookahead_tokens)
+        placeholders = check_batch_placeholders(new_token_ids, num_placeholders)
         requests = self._requests
         records = [requests.get(rid) for rid in request_ids]
         fast = on_fast_path(records, new_token_ids, lookahead,
@@ -226,29 +272,39 @@ class Scheduling:
                 r.token_ids.append(tokens[0])
                 r.scheduled = 1
             self._pass += records
-            return [None] * len(records)
-        checked = [None if f else self._check_schedule(f"schedule_batch[{i}]", rid, None,
-                                                       tokens, la)
-                   for i, (f, rid, tokens, la) in enumerate(zip(
-                       fast, request_ids, new_token_ids, lookahead, strict=True))]
-        results: list[Wait | None] = []
-        pass_ = self._pass
-        for r, args, tokens in zip(records, checked, new_token_ids, strict=True):
-            if args is None:
-                r.token_ids.append(tokens[0])
-                r.scheduled = 1
-                pass_.append(r)
-                results.append(None)
-            else:
-                results.append(self._schedule_checked(*args))
+            results: list[Wait | None] = [None] * len(records)
+        else:
+            checked = [None if f else self._check_schedule(f"schedule_batch[{i}]", rid, None,
+                                                           tokens, la)
+                       for i, (f, rid, tokens, la) in enumerate(zip(
+                           fast, request_ids, new_token_ids, lookahead, strict=True))]
+            results = []
+            pass_ = self._pass
+            for r, args, tokens in zip(records, checked, new_token_ids, strict=True):
+                if args is None:
+                    r.token_ids.append(tokens[0])
+                    r.scheduled = 1
+                    pass_.append(r)
+                    results.append(None)
+                else:
+                    results.append(self._schedule_checked(*args))
+        if placeholders is not None:
+            for r, k, result in zip(records, placeholders, results, strict=True):
+                if k == 1 and result is None:  # (an asynchronous step's pending token)
+                    r.placeholders.add(len(r.token_ids) - 1)
+                elif k and result is None:
+                    n = len(r.token_ids)
+                    r.placeholders.update(range(n - k, n))
         return results
 
     def set_token_ids(self, updates: Sequence[tuple[Hashable, int, int]]) -> None:
         """Sets token ids already counted: (request_id, index, token) replaces token `index`
         (prompt tokens first) of a running request's token history. An engine with
         asynchronous scheduling counts a token still on the device with a placeholder id
-        and sets the real one when it arrives. Only page hashes (prefix caching) read the
-        ids: with prefix caching on, a page must not seal while it holds a placeholder.
+        (`schedule(num_placeholders=...)`) and sets the real one when it arrives. Only page
+        hashes (prefix caching) read the ids: a page holding a placeholder is published only
+        once its ids are set, by this call (its listeners run: `Coordinator.listen`) when its
+        host copy completed already, else when it completes.
 
         Raises:
           ValueError: a request is not admitted, an index is out of its history, or a token
@@ -258,13 +314,22 @@ class Scheduling:
         # hundreds per step); the checks that name the culprit run only when one fails.
         requests = self._requests
         records = [requests.get(rid) for rid, _, _ in updates]
-        if token_updates_ok(records, updates):
-            for r, (_, index, token) in zip(records, updates, strict=True):
-                r.token_ids[index] = token
-            return
-        check_token_updates(records, updates)
+        if not token_updates_ok(records, updates):
+            check_token_updates(records, updates)
+            updates = [(rid, int(index), int(token)) for rid, index, token in updates]
+        B = self.block_size
+        ready: dict[int, RequestRecord] = {}  # requests whose set ids end a blocked prefix
         for r, (_, index, token) in zip(records, updates, strict=True):
-            r.token_ids[index] = int(token)
+            r.token_ids[index] = token
+            if index in r.placeholders:
+                r.placeholders.discard(index)
+                # Its page may publish now if its host copy completed (else it publishes
+                # when the copy completes, `on_transfers`).
+                if index // B in r.valid:
+                    ready[id(r)] = r
+        if ready and self.prefix_cache.enabled:
+            for r in ready.values():
+                self.prefix_cache.advance_and_publish(r, record_copies=True)
 
     def _check_schedule(self, what: str, request_id: Hashable, num_tokens: int | None,
                         new_token_ids: Sequence[int], num_lookahead_tokens: Any

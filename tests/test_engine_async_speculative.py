@@ -80,12 +80,13 @@ def reference(reqs: list[dict], config: str = "tiny", kv_format: str = "bf16"):
 
 def workload(stop_at: dict[int, int] | None = None, config: str = "tiny",
              kv_format: str = "bf16") -> list[dict]:
-    """Six requests of 2 to 38 prompt tokens arriving over three steps, two of them sampled;
+    """Six requests of 2 to 50 prompt tokens arriving over three steps, two of them sampled;
     request 0 (all drafts right) ends with max_new_tokens = 7 in the middle of an accepted
-    run; `stop_at`: request -> the index of its output token that becomes its stop token."""
+    run, request 5 at max_model_len (max_new_tokens None); `stop_at`: request -> the index
+    of its output token that becomes its stop token."""
     reqs = [_request(0, 9, 7), _request(1, 30, 12, arrive=1), _request(2, 2, 14, 0.9),
             _request(3, 21, 11, arrive=2), _request(4, 38, 9, 0.8, arrive=1),
-            _request(5, 14, 13, arrive=3)]
+            _request(5, 50, None, arrive=3)]
     if stop_at:
         plain = reference(reqs, config, kv_format)
         for i, at in stop_at.items():
@@ -125,8 +126,10 @@ def make_engine(k: int, draft, *, config: str = "tiny", sizes: dict | None = Non
 _ids = itertools.count()
 
 
-def serve(engine: Engine, reqs: list[dict]) -> list[tuple[str, list[int]]]:
-    """Serves `reqs` (each added before step `arrive`); [(finish_reason, generated)]."""
+def serve(engine: Engine, reqs: list[dict], cancels: dict[int, int] | None = None
+          ) -> list[tuple[str, list[int]]]:
+    """Serves `reqs` (each added before step `arrive`; `cancels`: step -> the request
+    cancelled before it); [(finish_reason, generated)]."""
     rids = [None] * len(reqs)
     step = 0
     while engine.has_work or any(r is None for r in rids):
@@ -136,6 +139,8 @@ def serve(engine: Engine, reqs: list[dict]) -> list[tuple[str, list[int]]]:
                     list(r["prompt"]), max_new_tokens=r["max_new_tokens"],
                     temperature=r["temperature"], stop_token_ids=r["stop_token_ids"],
                     seed=r["seed"], request_id=("asp", next(_ids)))
+        if (cancels or {}).get(step) is not None:
+            engine.cancel(rids[cancels[step]])
         engine.step()
         step += 1
         if isinstance(engine.scheduler.manager, Coordinator):
@@ -196,11 +201,14 @@ def test_async_speculation_equals_decoding_without_speculation(kind):
 
 def test_async_mtp_drafts_are_exact_under_pressure():
     """The model's own MTP module drafts on the device (rarely right, randomly initialised);
-    HiSparse under pool pressure; same tokens as decoding without speculation."""
+    HiSparse under pool pressure; same tokens as decoding without speculation, and a
+    request cancelled mid-run keeps a prefix of them."""
     reqs = workload({4: 3})
     engine = make_engine(2, MTPDraft(), sizes=PRESSURE)
     try:
-        assert serve(engine, reqs) == reference(reqs)
+        got, want = serve(engine, reqs, cancels={6: 1}), reference(reqs)
+        assert got[1][0] == "cancelled" and got[1][1] == want[1][1][:len(got[1][1])]
+        assert got[:1] + got[2:] == want[:1] + want[2:]
         assert engine.metrics.draft_tokens > 0
         assert engine.scheduler.manager.stats["unpinned_pages"] > 0
         assert engine.metrics.drains < engine.metrics.steps / 3
@@ -297,7 +305,7 @@ def test_e2e_bench_runs_async_speculation(tmp_path):
     record = json.loads(out.read_text())
     assert record["config"]["async_scheduling"] and record["config"]["speculative_tokens"] == 2
     for r in record["results"]:
-        assert r["tokens_per_request_step"] > 1.0 and r["compiles_in_window"] == 0, r
+        assert r["tokens_per_request_step"] > 1.0 and r["measured_steps"] == 4, r
 
 
 @pytest.mark.parametrize("where", ["prefill", "decode", "collect", "plan"])

@@ -68,9 +68,10 @@ def token_limit(req: Request, max_model_len: int) -> int:
 
 def drafts_verified(req: Request, draft_rows: int, max_model_len: int) -> int:
     """The drafts a decode step of `req` verified, of its `draft_rows` filled on the host,
-    with `req.live` the tokens it had when the step ran: the rows before its last token (a
-    continued step's rows were filled for no accepted draft before it, and the device drops
-    those past the token: `step_builder.continue_speculation`; for any other step, all)."""
+    with `req.live` the tokens it had when the step ran: those that verify a token within
+    its limit. A continued step's rows were filled as if the step before it accepted no
+    draft, and the device drops those past the limit (`step_builder.continue_speculation`);
+    any other step's rows all count (`_drafts` capped them already)."""
     return max(0, min(draft_rows, token_limit(req, max_model_len) - 1 - req.live))
 
 

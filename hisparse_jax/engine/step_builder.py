@@ -82,11 +82,12 @@ def continue_speculation(tokens: jax.Array, positions: jax.Array, steps: jax.Arr
     the device (async scheduling; inside jit). Row n with prev_index[n] = p >= 0 continues
     the request of the previous step's seat p, whose accepted count a the host does not
     know yet: the host filled tokens int32[S, r], positions int32[S, r] and steps int32[S]
-    as if a = 0 (its last token at the position after the previous step's first, then up
+    as if a = 0 (row 0 at the position of the previous step's first emitted token, then up
     to r - 1 draft rows, -1 past them); here row 0 takes the previous step's last emitted
     token, rows 1.. its next drafts, and every present position and the step index move by
-    a. A draft row whose position reaches draft_end[n] (the request's last generated token:
-    a row there would verify a draft past it) is dropped (position -1). Other rows are
+    a. A draft row whose position reaches draft_end[n] (the position of the request's last
+    generated token: a row there would verify a token past it) is dropped (position -1),
+    as the host drops it when it knows the count (`Scheduler._drafts`). Other rows are
     returned as they are. `prev`: the previous verify step's (tokens int32[S, r], counts
     int32[S], drafts int32[S, r - 1])."""
     out, counts, drafts = prev

@@ -35,6 +35,10 @@ bytes host -> device per step and host pool bytes per request, and adds the rati
 (tokens/s, bytes per step) and, per format, HiSparse / all-resident; the record then goes to
 `e2e_decode-<backend>-<formats>.json`.
 
+`--speculative-tokens K` verifies K draft tokens per request and step (`AcceptanceRateDraft`
+at `--acceptance-rate`, default 0.8: the random model's MTP drafts would almost never be
+accepted), with or without `--async-scheduling`; `bench/speculative.py` sweeps K and rates.
+
     python3 -m bench.e2e_decode                                   # the full sweep (GPU)
     python3 -m bench.e2e_decode --config tiny --context 2048 --concurrency 1,4 \\
         --block-size 16 --measure-steps 8                         # a CPU smoke run
@@ -63,6 +67,8 @@ import numpy as np  # noqa: E402
 from bench import _models as bench_models  # noqa: E402
 from bench._common import RESULTS_DIR, HelpFormatter, write_result  # noqa: E402
 from hisparse_jax import models  # noqa: E402
+from hisparse_jax.config import HiSparseConfig  # noqa: E402
+from hisparse_jax.draft_sources import AcceptanceRateDraft  # noqa: E402
 from hisparse_jax.engine import (  # noqa: E402
     AllResident,
     Engine,
@@ -71,6 +77,7 @@ from hisparse_jax.engine import (  # noqa: E402
     NaiveOffload,
     PrefillPolicy,
     Sizes,
+    Speculative,
     Tuning,
 )
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
@@ -98,7 +105,9 @@ def plan_sizes(args: argparse.Namespace, spec: models.ModelSpec) -> dict[str, in
     B = args.block_size
     max_model_len = args.context + args.gen_budget
     pages = cdiv(max_model_len, B)
-    hot_blocks = cdiv(args.hot_size or 2 * spec.top_k, B)
+    # The default hot region: 2 (1 + k) top_k rows with k speculative tokens.
+    hot_blocks = cdiv(args.hot_size or HiSparseConfig.default_hot_size(
+        spec.top_k, B, getattr(args, "speculative_tokens", 0)), B)
     c_max = max(args.concurrency)
     # Default budget: HiSparse's C_max hot regions plus pinned tails, one prompt being admitted
     # and a tenth for the watermark; all-resident gets (budget - 1) // pages requests of it.
@@ -529,6 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-scheduling", action="store_true",
                    help="EngineConfig.async_scheduling: plan and dispatch step t + 1 while "
                         "step t runs on the device")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="EngineConfig.speculative.num_tokens: K draft tokens verified per "
+                        "request and step, drafted by AcceptanceRateDraft (the random model's "
+                        "MTP drafts would almost never be accepted; bench/speculative.py "
+                        "sweeps K and rates); works with --async-scheduling")
+    p.add_argument("--acceptance-rate", type=float, default=None, metavar="R",
+                   help="with --speculative-tokens: each draft accepted with probability R "
+                        "(default 0.8)")
     p.add_argument("--hot-size", type=int, default=None,
                    help="hot-region rows per request (default: 2 * top_k)")
     p.add_argument("--gpu-blocks", type=int, default=None,
@@ -567,6 +584,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
     if args.index_group_size is not None and args.index_group_size < 1:
         raise SystemExit(f"--index-group-size must be >= 1, got {args.index_group_size}")
+    k = args.speculative_tokens
+    if not 0 <= k < args.block_size:
+        raise SystemExit(f"--speculative-tokens must be in [0, --block-size {args.block_size}) "
+                         f"(a step's draft rows open at most one page), got {k}")
+    if args.acceptance_rate is not None and not k:
+        raise SystemExit("--acceptance-rate needs --speculative-tokens >= 1")
+    rate = 0.8 if args.acceptance_rate is None else args.acceptance_rate
+    if not 0.0 <= rate <= 1.0:
+        raise SystemExit(f"--acceptance-rate must be in [0, 1], got {rate}")
     if args.indexer:
         args.turnover_sweep = []  # turnover is the drift model's knob
     try:
@@ -575,7 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"--config / --num-layers / --index-group-size: {e}") from None
     spec = model.spec
+    if args.hot_size is not None and k and args.hot_size < (1 + k) * spec.top_k:
+        raise SystemExit(f"--hot-size {args.hot_size} must be >= (1 + --speculative-tokens "
+                         f"{k}) x top_k {spec.top_k} (one step's union of selected rows)")
     sizes = plan_sizes(args, spec)
+    speculation = ({"speculative": Speculative(num_tokens=k, draft=AcceptanceRateDraft(rate))}
+                   if k else None)
     counter = CompileCounter()
     name = "e2e_decode"
     formats = args.kv_format
@@ -595,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
               "prefill": "synthetic (random KV rows written straight into the caches)",
               "warmup_steps": args.warmup_steps, "measure_steps": args.measure_steps,
               "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0],
-              "kv_formats": formats, "async_scheduling": args.async_scheduling, **sizes}
+              "kv_formats": formats, "async_scheduling": args.async_scheduling,
+              "speculative_tokens": k, "acceptance_rate": rate if k else None, **sizes}
     results: list[dict[str, Any]] = []
     print(f"[e2e] {spec.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
     # One pinned pool per row format for every host-tier engine (they run one at a time):
@@ -631,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     for r in run_group(model, args, sizes, modes=modes, concurrency=c,
                                        turnover=tv, pool=pool, counter=counter,
-                                       kv_format=kv_format):
+                                       kv_format=kv_format, extra=speculation):
                         results.append(r)
                         _print(r)
                 write_result(name, {"config": config, "results": results,

@@ -19,7 +19,8 @@ Sources:
     model: use `AcceptanceRateDraft` to benchmark a trained one's acceptance.
   * `AcceptanceRateDraft(acceptance_rate)`: benchmarks only (the output is not the model's).
   * `ScriptedDraft`: drafts from known outputs, right or wrong as a given pattern says (tests:
-    forced accept / reject patterns with exact outputs).
+    forced accept / reject patterns with exact outputs); `DeviceScriptedDraft` makes the same
+    drafts inside the decode step (tests of the on-device path: asynchronous scheduling).
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ class DraftSource:
         the last hidden state of each request's last accepted row, tokens int32[N] the token
         it sampled (the next step's first input)."""
         raise NotImplementedError
+
+    def device_drafts_at(self, model: Any, hidden: jax.Array, tokens: jax.Array,
+                         num_tokens: int, *, seeds: jax.Array, index: jax.Array) -> jax.Array:
+        """`device_drafts` with each request's place: seeds int32[N] its sampling seed (the
+        low 32 bits), index int32[N] the generated-token index of its first draft (that of
+        `tokens` plus one). The decode step calls this one; the default ignores the place."""
+        del seeds, index
+        return self.device_drafts(model, hidden, tokens, num_tokens)
 
     def propose(self, request: Any, num_tokens: int) -> list[int]:
         """Host-side drafts for `request`'s next step: its generated tokens `live` ..
@@ -170,3 +179,50 @@ class ScriptedDraft(DraftSource):
             else:
                 out.append((ref[j] + 1) % self.vocab_size)
         return out
+
+
+class DeviceScriptedDraft(DraftSource):
+    """`ScriptedDraft`'s drafts, made inside the decode step (tests of the on-device draft
+    path, which asynchronous scheduling feeds to the next step without the host): the draft
+    for generated token j of the request of sampling seed s is `reference[s][j]` when
+    `accept(s, j)` is true, else (reference[s][j] + 1) % vocab; past the reference, or for a
+    seed it does not name, token 0. (The sampling seed is the add_request index unless
+    `add_request(seed=...)` says otherwise.) Exact like any source: a draft is kept only when
+    it equals the sampled token.
+
+    Args:
+      reference: generated tokens per sampling seed (e.g. a run without speculation).
+      accept: (sampling seed, generated token index) -> whether its draft is right.
+    """
+
+    def __init__(self, reference: Mapping[int, Sequence[int]],
+                 accept: Callable[[int, int], bool], *, vocab_size: int | None = None) -> None:
+        self.reference = {int(s): list(t) for s, t in reference.items()}
+        self.accept = accept
+        self.table: np.ndarray | None = None  # int32[seeds, tokens] once bound
+        if vocab_size is not None:
+            self.bind(vocab_size=vocab_size)
+
+    def bind(self, *, vocab_size: int) -> DeviceScriptedDraft:
+        """Tabulates the drafts (int32[max seed + 1, longest reference]) for `vocab_size`."""
+        seeds = max(self.reference, default=-1) + 1
+        width = max((len(t) for t in self.reference.values()), default=0)
+        table = np.zeros((max(seeds, 1), max(width, 1)), np.int32)
+        for s, ref in self.reference.items():
+            for j, token in enumerate(ref):
+                table[s, j] = token if self.accept(s, j) else (token + 1) % vocab_size
+        self.table = table
+        return self
+
+    def device_drafts(self, model, hidden, tokens, num_tokens):
+        raise ValueError("DeviceScriptedDraft drafts by request: the decode step calls "
+                         "device_drafts_at")
+
+    def device_drafts_at(self, model, hidden, tokens, num_tokens, *, seeds, index):
+        del model, hidden
+        table = jnp.asarray(self.table)
+        rows, cols = table.shape
+        j = index[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+        s = jnp.broadcast_to(seeds[:, None], j.shape)
+        known = (s >= 0) & (s < rows) & (j >= 0) & (j < cols)
+        return jnp.where(known, table[jnp.clip(s, 0, rows - 1), jnp.clip(j, 0, cols - 1)], 0)

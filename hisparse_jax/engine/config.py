@@ -90,8 +90,9 @@ class EngineConfig:
         while step t runs on the device (`Engine.step`): step t's sampled tokens stay on the
         device and feed step t + 1; stop conditions are learned a step late (a request's extra
         row of the next step is dropped, never emitted); on anything unusual the engine
-        drains to a synchronous step. Same tokens as the synchronous engine. Not with
-        speculation nor in `MeshEngine`.
+        drains to a synchronous step. Same tokens as the synchronous engine. With
+        speculation a step's accepted drafts stay on the device too (the next step continues
+        from them; with a host draft source each step collects first). Not in `MeshEngine`.
       seed: int in [0, 2**32) (default 0): the sampling seed. The key of request r's i-th
         sampled token is a function of (seed, r's sampling seed (by default its add_request
         order index), i) only (`hisparse_jax.engine.sampler.token_keys`).
@@ -139,10 +140,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.speculative.num_tokens must be an int in [1, "
                              f"EngineConfig.sizes.block_size={B}) (a step's draft rows open at "
                              f"most one page), got {k!r}")
-        if self.async_scheduling and k:
-            raise ValueError("EngineConfig.async_scheduling needs EngineConfig.speculative=None "
-                             "(a step's accepted drafts are known only when it is collected), "
-                             f"got EngineConfig.speculative.num_tokens={k}")
         if isinstance(self.residency, HiSparse) and self.residency.per_row and not k:
             raise ValueError("EngineConfig.residency=HiSparse(per_row=True) (the per-row "
                              "ablation) needs EngineConfig.speculative (per_row=True resolves a "

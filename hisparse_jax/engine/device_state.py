@@ -43,6 +43,17 @@ def lost(array: jax.Array) -> bool:
     return False
 
 
+def no_prev_tokens(max_seats: int, num_speculative_tokens: int) -> Any:
+    """What an async decode step takes as the previous step's tokens when none is in flight
+    (no row reads them): a decode step's token outputs of the same shapes and dtypes, so that
+    one executable serves both: int32[S], or with k speculative tokens the verify step's
+    (tokens int32[S, 1 + k], counts int32[S] (ones), drafts int32[S, k])."""
+    S, k = max_seats, num_speculative_tokens
+    if not k:
+        return np.zeros(S, np.int32)
+    return (np.zeros((S, 1 + k), np.int32), np.ones(S, np.int32), np.zeros((S, k), np.int32))
+
+
 def with_residency(cache: DecodeCache, residency: Residency) -> DecodeCache:
     """`cache` with its KV-cache handle under `residency` (the same object when it already is:
     the common step pays for no pytree rebuild)."""
@@ -80,7 +91,8 @@ class DeviceState:
         self.topk_source = topk_source
         self.init()
         self.sample_key = self.put(base_key(ec.seed))
-        self.no_prev_tokens = self.put(np.zeros(cfg.max_num_reqs, np.int32))
+        self.no_prev_tokens = self.put(no_prev_tokens(cfg.max_num_reqs,
+                                                      ec.num_speculative_tokens))
 
     @property
     def cache(self) -> DecodeCache:

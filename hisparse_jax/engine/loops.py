@@ -6,6 +6,14 @@ schedules and dispatches decode step t + 1 (fed step t's sampled tokens on the d
 before it collects step t; a stop token is learned a step late and the request's extra row
 dropped; an exception, or a pass with nothing to schedule, drains the step in flight first
 (`docs/semantics.md`, asynchronous scheduling).
+
+With speculation, step t's accepted counts stay on the device too: a request of step t
+continues in step t + 1 from step t's outputs (its last emitted token, positions moved by
+its accepted count, the on-device source's next drafts: `step_builder.continue_speculation`)
+while the host counts it as if step t accepted nothing and reserves lookahead rows for every
+outcome (`scheduler.drafts_ahead`), catching up when step t is collected. A host draft
+source needs the accepted tokens to propose: then each step collects first
+(`AsyncLoop.plans_after_collecting`).
 """
 
 from __future__ import annotations
@@ -111,7 +119,10 @@ class AsyncLoop(SyncLoop):
         the next call schedules as the synchronous engine does (a drain). On an exception
         the engine drains too: step t is collected first (its tokens kept), then step t + 1
         is recovered as a synchronous step is; a failed collection recovers step t and the
-        step launched after it."""
+        step launched after it. With a host draft source, step t is collected before step
+        t + 1 is planned (`plans_after_collecting`)."""
+        if self.plans_after_collecting:
+            self.drain()
         prev, self.flight = self.flight, None
         part = StepPart(self.scheduler, self.runner, OpenStep())
         try:
@@ -134,6 +145,16 @@ class AsyncLoop(SyncLoop):
         if flight is None:
             self.ctx.metrics.drains += 1
         self._land(prev, flight)
+
+    @property
+    def plans_after_collecting(self) -> bool:
+        """Speculation with drafts from the host (`DraftSource.on_device` False): a host
+        source proposes from the accepted tokens, which only the collection of the step in
+        flight brings, so each step collects it before planning the next (a synchronous
+        step, counted in `metrics.drains`; the caller's work between `step()` calls still
+        overlaps the device)."""
+        draft = self.ctx.config.draft
+        return draft is not None and not draft.on_device
 
     def drain(self) -> bool:
         """Collects the decode step in flight; False when there was none."""

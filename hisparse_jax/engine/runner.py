@@ -56,7 +56,9 @@ def _int32_bits(value: int) -> int:
 
 def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
                        offset: int = 0, ahead: frozenset[Hashable] = frozenset(),
-                       prev_index: np.ndarray | None = None) -> None:
+                       prev_index: np.ndarray | None = None,
+                       draft_end: np.ndarray | None = None,
+                       max_model_len: int | None = None) -> None:
     """Writes the decode inputs of `reqs` into their seats' rows of `inputs` (tokens,
     positions, state_rows, temperature, seeds, steps, as `Runner.idle_inputs` makes them):
     each request's last token, then its `step_drafts` at the next positions (tokens and
@@ -71,7 +73,11 @@ def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
     whose previous decode step is still in flight (its token not recorded yet: they are one
     token further than `live` says). Their token is the previous step's device token unless
     it is known on the host (a replayed one): those rows get their seat in `prev_index`
-    (int32[S], -1: the host token) and token 0 here.
+    (int32[S], -1: the host token) and token 0 here. With speculation such a row continues
+    its previous step on the device (`step_builder.continue_speculation`): its row and its
+    `step_drafts` (placeholders, `Scheduler`) are filled as if that step accepted no draft,
+    and `draft_end` (int32[S]) gets the position of its last generated token (prompt +
+    max_new_tokens, or `max_model_len`, minus 1), where its draft rows end.
     """
     tokens, positions, state_rows, temperature, seeds, steps = inputs
     S = len(state_rows)
@@ -105,9 +111,13 @@ def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
     if token_rows.shape[1] > 1:  # speculation: the drafts at the next positions
         for req in reqs:
             if req.step_drafts:
-                n, pos = len(req.step_drafts), len(req.prompt) + req.live
+                n = len(req.step_drafts)
+                pos = len(req.prompt) + req.live + (req.request_id in ahead)
                 token_rows[offset + req.seat, 1:1 + n] = req.step_drafts
                 position_rows[offset + req.seat, 1:1 + n] = range(pos, pos + n)
+        if ahead and draft_end is not None:
+            draft_end[at] = [(max_model_len if req.max_new_tokens is None
+                              else len(req.prompt) + req.max_new_tokens) - 1 for req in reqs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +127,14 @@ class PendingDecode:
     requests: list[Request]
     residency: Residency
     started: float  # perf_counter() at dispatch
-    tokens: jax.Array  # int32[max_seats] (by seat; async scheduling feeds them back)
+    # int32[max_seats] by seat, or the verify step's (tokens, counts, drafts) with
+    # speculation (async scheduling feeds them back)
+    tokens: Any
     aux: dict[str, jax.Array]
     compiles: int  # CompileWatch.count before the dispatch
+    # Speculation: the draft rows the host filled per seat (int[max_seats]; the device drops
+    # a continued request's rows past its last token: `step.record_decode` counts them).
+    draft_rows: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +144,9 @@ class DecodeResult:
     rows and groups, rows_moved the misses counted once per layer of their index group
     (None: as misses), attention [L, max_seats, r, h, kv_lora] when collected; drafts
     int[max_seats, k] the next step's on-device drafts (k = 0: none); `compiled`: this process
-    compiled something between the dispatch and the collection."""
+    compiled something between the dispatch and the collection; draft_rows int[max_seats] the
+    draft rows the host filled (`PendingDecode.draft_rows`; None: each request's
+    `step_drafts`)."""
 
     tokens: np.ndarray
     counts: np.ndarray
@@ -140,6 +157,7 @@ class DecodeResult:
     compiled: bool = False
     drafts: np.ndarray | None = None
     rows_moved: int | None = None
+    draft_rows: np.ndarray | None = None
 
 
 class Runner:
@@ -286,30 +304,40 @@ class Runner:
         if ahead and (prev is None or not self.feeds_back):
             raise ValueError("dispatch_decode: ahead needs prev (the step in flight) and "
                              "EngineConfig.async_scheduling")
-        inputs = self.idle_inputs()
-        prev_index = np.full(self.cfg.max_num_reqs, -1, np.int32) if self.feeds_back else None
-        fill_decode_inputs(reqs, inputs, ahead=ahead, prev_index=prev_index)
+        inputs, S = self.idle_inputs(), self.cfg.max_num_reqs
+        prev_index = np.full(S, -1, np.int32) if self.feeds_back else None
+        spec = self.num_speculative_tokens
+        draft_end = np.zeros(S, np.int32) if self.feeds_back and spec else None
+        fill_decode_inputs(reqs, inputs, ahead=ahead, prev_index=prev_index,
+                           draft_end=draft_end, max_model_len=self.cfg.max_model_len)
         compiles = CompileWatch.count
         t0 = time.perf_counter()
         next_tokens, aux = self.run_decode(residency, *inputs, prev_index=prev_index,
+                                           draft_end=draft_end,
                                            prev_tokens=None if prev is None else prev.tokens)
-        return PendingDecode(reqs, residency, t0, next_tokens, aux, compiles)
+        draft_rows = (inputs[1][:, 1:] >= 0).sum(1) if spec else None
+        return PendingDecode(reqs, residency, t0, next_tokens, aux, compiles, draft_rows)
 
     def run_decode(self, residency: Residency, *host_arrays: np.ndarray,
-                   prev_index: np.ndarray | None = None, prev_tokens: jax.Array | None = None
-                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   prev_index: np.ndarray | None = None, prev_tokens: Any = None,
+                   draft_end: np.ndarray | None = None
+                   ) -> tuple[Any, dict[str, jax.Array]]:
         """Dispatches the decode variant of `residency` on host-built arrays (tokens,
         positions, state_rows, temperature, seeds, steps: `idle_inputs`' shapes and dtypes),
         sent as one packed int32 array (`StepBuilder.jit_decode`). With `feeds_back` the
         packed array also carries `prev_index` (int32[S], default every row -1: the host
-        token) and the step takes `prev_tokens` (a previous step's device tokens; default
-        zeros)."""
+        token), with speculation then `draft_end` (int32[S], default zeros: read only for
+        rows fed by the previous step), and the step takes `prev_tokens` (a previous step's
+        device tokens, `PendingDecode.tokens`; default zeros)."""
         state = self.state
-        extra: tuple[jax.Array, ...] = ()
+        extra: tuple[Any, ...] = ()
         if self.feeds_back:
+            S = self.cfg.max_num_reqs
             if prev_index is None:
-                prev_index = np.full(self.cfg.max_num_reqs, -1, np.int32)
+                prev_index = np.full(S, -1, np.int32)
             host_arrays = (*host_arrays, prev_index)
+            if self.num_speculative_tokens:
+                host_arrays += (np.zeros(S, np.int32) if draft_end is None else draft_end,)
             extra = (state.no_prev_tokens if prev_tokens is None else prev_tokens,)
         tables, table_rows = state.tables.take_deferred(TABLE_FOLD_ROWS)
         inputs = state.put(np.concatenate([a.reshape(-1).view(np.int32) for a in host_arrays]
@@ -354,7 +382,8 @@ class Runner:
                 attention = attention[:, :, None]
         return DecodeResult(tokens, counts, int(hits), int(misses), attention,
                             seconds, compiled=CompileWatch.count != pending.compiles,
-                            drafts=drafts, rows_moved=int(rows_moved))
+                            drafts=drafts, rows_moved=int(rows_moved),
+                            draft_rows=pending.draft_rows)
 
     # ------------------------------------------------------------------ prefill
 

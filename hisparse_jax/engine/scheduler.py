@@ -61,6 +61,39 @@ is hashed, published or kept for reuse) until the engine sets the real one
 (`set_token_ids`)."""
 
 
+def token_limit(req: Request, max_model_len: int) -> int:
+    """The generated tokens `req` ends with at most: `max_new_tokens`, or what max_model_len
+    leaves after its prompt."""
+    return (req.max_new_tokens if req.max_new_tokens is not None
+            else max_model_len - len(req.prompt))
+
+
+def drafts_verified(req: Request, draft_rows: int, max_model_len: int) -> int:
+    """The drafts a decode step of `req` verified, of its `draft_rows` filled on the host,
+    with `req.live` the tokens it had when the step ran: those that verify a token within
+    its limit. A continued step's rows were filled as if the step before it accepted no
+    draft, and the device drops those past the limit (`step_builder.continue_speculation`);
+    any other step's rows all count (`_drafts` capped them already)."""
+    return max(0, min(draft_rows, token_limit(req, max_model_len) - 1 - req.live))
+
+
+def drafts_ahead(req: Request, k: int, block_size: int, max_model_len: int
+                 ) -> tuple[list[int], int]:
+    """The placeholder drafts and the lookahead rows of step t + 1 of `req`, whose
+    speculative step t is in flight (async scheduling) and not its last on the host's
+    knowledge (`live` + 1 < its limit). Step t verified d drafts (`drafts_verified`, known)
+    and accepts an a in [0, d] the host does not know: step t + 1 writes its last token at
+    position prompt + live + a, then up to c drafts, where d + c < block_size (so that its
+    lookahead rows open at most one page; with block_size > 2k, c = k as without async), the
+    device derives tokens and positions (`step_builder.continue_speculation`). The manager
+    counts one pending token (token live: final after step t + 1 whatever a is), and the
+    lookahead reserves the rows of every outcome: up to position prompt + live + la."""
+    live, limit = req.live, token_limit(req, max_model_len)
+    d = drafts_verified(req, len(req.step_drafts), max_model_len)
+    c = max(0, min(k, block_size - 1 - d, limit - live - 2))
+    return [PENDING_TOKEN] * c, max(d, min(d + c, limit - live - 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduledStep:
     """What one model step runs.
@@ -174,15 +207,7 @@ class Scheduler:
         if in_flight:
             decoding = [req for req in decoding
                         if req.request_id not in in_flight or not self._last_in_flight(req)]
-        if self.num_speculative_tokens:
-            drafts = [self._drafts(req) for req in decoding]
-            if None in drafts:  # a host draft source broke its rule: those requests failed
-                decoding = [req for req, d in zip(decoding, drafts, strict=True)
-                            if d is not None]
-                drafts = [d for d in drafts if d is not None]
-            lookahead = [len(d) for d in drafts]
-        else:
-            drafts, lookahead = [[]] * len(decoding), None
+        decoding, drafts, lookahead = self._step_drafts(decoding, in_flight)
         new_tokens, pending = self._decode_tokens(decoding, in_flight)
         # One manager call for every decoding request (the per-request calls cost more host
         # time than the scheduling itself at hundreds of requests).
@@ -271,15 +296,41 @@ class Scheduler:
         if self._budget is not None:
             self._budget -= n
 
+    def _step_drafts(self, decoding: list[Request], in_flight: frozenset[Hashable]
+                     ) -> tuple[list[Request], list[list[int]], list[int] | None]:
+        """The decoding requests that run this pass, each with the drafts its step verifies
+        and its lookahead rows (without speculation: none, lookahead None). One whose
+        speculative step is in flight continues it on the device (`drafts_ahead`) unless
+        that step replays known tokens or its drafts come from the host (both need the
+        step's accepted count on the host): it sits this pass out. One whose host draft
+        source broke its rule has failed (`_drafts`)."""
+        k = self.num_speculative_tokens
+        if not k:
+            return decoding, [[]] * len(decoding), None
+        kept, drafts, lookahead = [], [], []
+        for req in decoding:
+            if req.request_id not in in_flight:
+                d = self._drafts(req)
+                if d is None:
+                    continue
+                la = len(d)
+            elif req.replaying or not self.draft.on_device:
+                continue
+            else:
+                d, la = drafts_ahead(req, k, self.cfg.block_size, self.cfg.max_model_len)
+            kept.append(req)
+            drafts.append(d)
+            lookahead.append(la)
+        return kept, drafts, lookahead
+
     def _drafts(self, req: Request) -> list[int] | None:
         """The draft tokens `req`'s next step verifies: up to num_speculative_tokens, fewer
         when its last tokens are near (the step emits at most len + 1 tokens and writes no row
         past the last token it will feed); while it replays, its known tokens. None when a
         host draft source breaks its rule for it (`draft_sources.host_drafts`): the request
         has failed (finish_reason "error"), the others go on."""
-        limit = (req.max_new_tokens if req.max_new_tokens is not None
-                 else self.cfg.max_model_len - len(req.prompt))
-        n = min(self.num_speculative_tokens, limit - 1 - req.live)
+        n = min(self.num_speculative_tokens,
+                token_limit(req, self.cfg.max_model_len) - 1 - req.live)
         if n <= 0:
             return []
         if req.replaying:

@@ -25,7 +25,7 @@ from hisparse_jax.engine.metrics import Metrics, StepClock
 from hisparse_jax.engine.page_keys import PageKeys
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import DecodeResult, PendingDecode, Runner
-from hisparse_jax.engine.scheduler import ScheduledStep, Scheduler
+from hisparse_jax.engine.scheduler import ScheduledStep, Scheduler, drafts_verified
 from hisparse_jax.engine.step_builder import variant_name
 from hisparse_jax.models.protocol import ModelSpec
 from host_tier.plan import StepPlan
@@ -189,7 +189,8 @@ def collect(ctx: StepContext, part: StepPart, pending: PendingDecode, *,
 def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
                   result: DecodeResult, batch: list[Request] | None = None) -> None:
     """Hands each request of a collected decode step (in batch order) its tokens
-    (`Scheduler.record`, up to a stop), its next drafts and its acceptance counts. A request
+    (`Scheduler.record`, up to a stop), its next drafts and its acceptance counts (of the
+    drafts the step verified: `scheduler.drafts_verified`). A request
     that finished since the step was dispatched (async scheduling: a stop learned a step
     late, a cancel, a failed restore) gets nothing: its row is dropped. `batch`: the list
     the step's requests are collected from (`Scheduler.collected`).
@@ -200,18 +201,22 @@ def record_decode(scheduler: Scheduler, metrics: Metrics, reqs: list[Request],
     """
     counts, tokens = result.counts.tolist(), result.tokens.tolist()
     drafts = result.drafts.tolist() if result.drafts is not None else None
+    draft_rows = result.draft_rows.tolist() if result.draft_rows is not None else None
     attention = result.attention
     collected, record = scheduler.collected, scheduler.record
+    max_model_len = scheduler.cfg.max_model_len
     for req in reqs:
         collected(req, batch)
         if req.finish_reason is not None:
             continue
         seat = req.seat
         count = counts[seat]
-        if req.step_drafts:
-            metrics.draft_tokens += len(req.step_drafts)
+        # (Async scheduling: `step_drafts` may be the next step's by now.)
+        n = len(req.step_drafts) if draft_rows is None else draft_rows[seat]
+        if n and (n := drafts_verified(req, n, max_model_len)):
+            metrics.draft_tokens += n
             metrics.accepted_tokens += count - 1
-            req.num_drafted += len(req.step_drafts)
+            req.num_drafted += n
             req.num_accepted += count - 1
         if drafts is not None:
             req.drafts = drafts[seat]

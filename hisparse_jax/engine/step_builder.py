@@ -75,6 +75,33 @@ def idle_inputs(max_seats: int, num_speculative_tokens: int) -> tuple[np.ndarray
             np.zeros(S, np.int32))
 
 
+def continue_speculation(tokens: jax.Array, positions: jax.Array, steps: jax.Array,
+                         prev_index: jax.Array, draft_end: jax.Array, prev: Any
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A speculative decode step's inputs where the previous step of a request is still on
+    the device (async scheduling; inside jit). Row n with prev_index[n] = p >= 0 continues
+    the request of the previous step's seat p, whose accepted count a the host does not
+    know yet: the host filled tokens int32[S, r], positions int32[S, r] and steps int32[S]
+    as if a = 0 (row 0 at the position of the previous step's first emitted token, then up
+    to r - 1 draft rows, -1 past them); here row 0 takes the previous step's last emitted
+    token, rows 1.. its next drafts, and every present position and the step index move by
+    a. A draft row whose position reaches draft_end[n] (the position of the request's last
+    generated token: a row there would verify a token past it) is dropped (position -1),
+    as the host drops it when it knows the count (`Scheduler._drafts`). Other rows are
+    returned as they are. `prev`: the previous verify step's (tokens int32[S, r], counts
+    int32[S], drafts int32[S, r - 1])."""
+    out, counts, drafts = prev
+    on = prev_index >= 0
+    src = jnp.maximum(prev_index, 0)
+    a = jnp.where(on, counts[src] - 1, 0)
+    last = jnp.take_along_axis(out[src], a[:, None], 1)
+    tokens = jnp.where(on[:, None], jnp.concatenate([last, drafts[src]], 1), tokens)
+    moved = jnp.where(positions >= 0, positions + a[:, None], positions)
+    draft_row = jnp.arange(positions.shape[1]) > 0
+    past = on[:, None] & draft_row[None, :] & (moved >= draft_end[:, None])
+    return tokens, jnp.where(past, -1, moved), steps + a
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepBuilder:
     """Builds one engine's jitted steps (module docstring) from static facts.
@@ -157,7 +184,9 @@ class StepBuilder:
         int32 array: one host-to-device copy per step instead of six (each a fixed cost of
         tens of microseconds on a GPU host). With `feeds_back` (async scheduling) a seventh,
         prev_index int32[S], picks rows whose token is the previous step's device token
-        (`prev_tokens`, an extra argument: the step reads it without a host round trip).
+        (`prev_tokens`, an extra argument: the step reads it without a host round trip);
+        with speculation an eighth, draft_end int32[S], and those rows continue the previous
+        step's request on the device (`continue_speculation`).
         Last in the packed array, the block tables' deferred rows (`TABLE_FOLD_ROWS` per
         table, `DeviceBlockTables.take_deferred`) and the deferred hot updates
         (`HOT_FOLD_ROWS`, `pack_hot_updates`), applied to the tables (donated) and the hot
@@ -169,8 +198,9 @@ class StepBuilder:
         specs = [(a.shape, a.dtype) for a in idle_inputs(self.cfg.max_num_reqs,
                                                          self.num_speculative_tokens)]
         feeds_back, group_layers = self.feeds_back, self.spec.group_layers
-        if feeds_back:  # prev_index int32[S] (`Runner.run_decode`)
-            specs.append(((self.cfg.max_num_reqs,), np.dtype(np.int32)))
+        speculative = bool(self.num_speculative_tokens)
+        if feeds_back:  # prev_index int32[S], and draft_end int32[S] (`Runner.run_decode`)
+            specs += [((self.cfg.max_num_reqs,), np.dtype(np.int32))] * (1 + speculative)
 
         def packed_step(params, cache, inputs, tables, host_pools, key, topk_state,
                         prev_tokens=None):
@@ -181,7 +211,11 @@ class StepBuilder:
                 parts.append(part if dtype == np.int32
                              else jax.lax.bitcast_convert_type(part, dtype))
                 at += size
-            if feeds_back:  # a row's token from the previous step's device tokens
+            if feeds_back and speculative:  # rows continuing the previous step's drafts
+                draft_end, prev_index = parts.pop(), parts.pop()
+                parts[0], parts[1], parts[5] = continue_speculation(
+                    parts[0], parts[1], parts[5], prev_index, draft_end, prev_tokens)
+            elif feeds_back:  # a row's token from the previous step's device tokens
                 prev_index = parts.pop()
                 taken = prev_tokens[jnp.maximum(prev_index, 0)]
                 parts[0] = jnp.where(prev_index >= 0, taken, parts[0])
@@ -259,7 +293,7 @@ class StepBuilder:
         A request emits its a accepted drafts and the token of row a: counts = a + 1. Rows
         past a wrote rows of rejected positions: the next step writes those positions again
         before any row reads them (its first row is position a + 1 of this step's). Then the
-        draft source drafts the next step's tokens from row a (`DraftSource.device_drafts`;
+        draft source drafts the next step's tokens from row a (`DraftSource.device_drafts_at`;
         zeros for a host-side source)."""
         forward, draft = self.model_decode(), self.draft
         k = self.num_speculative_tokens
@@ -291,7 +325,9 @@ class StepBuilder:
             if draft.on_device:
                 hidden = hidden.reshape(S, r, -1)
                 h = jnp.take_along_axis(hidden, accepted[:, None, None], 1)[:, 0]
-                nxt = draft.device_drafts(model, h, last, k).astype(jnp.int32)
+                # `last` is generated token steps + 1 + accepted: the drafts follow it.
+                nxt = draft.device_drafts_at(model, h, last, k, seeds=seeds,
+                                             index=steps + accepted + 2).astype(jnp.int32)
             else:
                 nxt = jnp.zeros((S, k), jnp.int32)
             return (out, accepted + 1, nxt), cache, aux

@@ -339,9 +339,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if k >= args.block_size:
         p.error(f"--speculative-tokens {k} must be < --block-size {args.block_size} (a step's "
                 f"draft rows open at most one page)")
-    if args.async_scheduling and k:
-        p.error(f"--async-scheduling needs --speculative-tokens 0 (got {k}): a step's "
-                f"accepted drafts are known only when it is collected")
     if args.acceptance_rate is not None:
         if not k:
             p.error("--acceptance-rate needs --speculative-tokens >= 1")

@@ -319,8 +319,6 @@ def test_the_key_store_drops_evicted_pages():
      "EngineConfig.prefill.prefix_caching needs EngineConfig.residency other than NaiveOffload"),
     (lambda: dict(topk_source=DriftTopK()),
      "EngineConfig.prefill.prefix_caching needs the indexer"),
-    (lambda: dict(speculative=Speculative(num_tokens=1), async_scheduling=True),
-     "EngineConfig.async_scheduling needs EngineConfig.speculative=None"),
 ])
 def test_prefix_config_is_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -332,7 +330,8 @@ def test_prefix_config_is_checked_at_construction(kwargs, match):
     dict(async_scheduling=True),
     dict(async_scheduling=True, prefill=PrefillPolicy(prefix_caching=True, chunk_size=8,
                                                       prefix_hit_pages="stage")),
-], ids=["speculation", "async", "async-chunked-stage"])
+    dict(async_scheduling=True, speculative=Speculative(num_tokens=1)),
+], ids=["speculation", "async", "async-chunked-stage", "async-speculation"])
 def test_prefix_caching_composes_with_speculation_and_async_scheduling(kwargs):
     # Pages publish once their tokens are known (tests/test_engine_compose_prefix.py).
     config = EngineConfig(**{"prefill": PrefillPolicy(prefix_caching=True), **kwargs})

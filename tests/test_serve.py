@@ -546,3 +546,26 @@ def test_sigterm_stops_admission_finishes_running_requests_and_exits_0(subproces
     ids, _, reason = streamed_tokens([*chunks, "[DONE]"])
     assert (len(ids), reason) == (480, "length")
     assert [line for line in received if line][-1] == "data: [DONE]"
+
+
+def test_every_engine_feature_serves_together_over_http(tmp_path):
+    """Asynchronous scheduling (the server's default), prefix caching, chunked prefill and
+    MTP drafts in one server (the fixture has an MTP layer): a second turn that extends the
+    first (its prompt, the served tokens, new ones) equals the offline engine's tokens."""
+    served = Served(["--model", str(FIXTURE), "--seats", "2", "--max-model-len", "64",
+                     "--prefill-bucket", "16", "--prefill-chunk-size", "8",
+                     "--enable-prefix-caching", "--speculative-tokens", "1", "--no-warmup"])
+    try:
+        ec = served.state.loop.engine.config
+        assert ec.async_scheduling and ec.prefill.prefix_caching
+        assert ec.num_speculative_tokens == 1 and ec.prefill.chunk_size == 8
+        prompt = [5, 17, 3, 99, 250, 7, 1, 42, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+        for _ in range(2):
+            r = served.client.post("/v1/completions",
+                                   json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            ids = r.json()["choices"][0]["token_ids"]
+            assert ids == served.offline(prompt, max_tokens=6)[1]
+            prompt = prompt + ids + [21, 22, 23]
+    finally:
+        served.close()

@@ -94,7 +94,7 @@ class Intake:
         # Admitted with its prompt (again after a preemption: it replays its tokens), then one
         # token per step; its last sampled token is never written: total - 1 tokens at most.
         reason = self.scheduler.manager.capacity_error(
-            len(prompt), total - 1, num_lookahead_tokens=self.config.num_speculative_tokens)
+            len(prompt), total - 1, num_lookahead_tokens=self._lookahead())
         if reason is not None:
             raise CapacityError(f"add_request: the request can never be served: {reason}")
         index = self._num_added
@@ -103,6 +103,14 @@ class Intake:
             request_id, prompt, None if max_new_tokens is None else int(max_new_tokens), index,
             float(temperature), stops, seed=None if seed is None else int(seed)))
         return request_id
+
+    def _lookahead(self) -> int:
+        """Draft rows a step of one request may write past its counted tokens: k, or with
+        asynchronous scheduling up to 2k (the step in flight's drafts and the next step's),
+        within one page."""
+        ec = self.config
+        k = ec.num_speculative_tokens
+        return min(2 * k, ec.sizes.block_size - 1) if ec.async_scheduling else k
 
     def _total_tokens(self, prompt: tuple[int, ...], max_new_tokens: int | None) -> int:
         """The request's most tokens (prompt + new, or max_model_len); ValueError when the

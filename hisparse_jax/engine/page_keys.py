@@ -67,9 +67,10 @@ class PageKeys:
             return
         store, hashes = self.store, self.page_hashes(req, pages)
         new = [p for p in range(req.key_pages, pages) if hashes[p] not in store]
-        fresh = dict(zip(new, runner.read_page_keys(req.seat, new), strict=True)) if new else {}
+        fresh = (dict(zip(new, runner.read_page_keys_later(req.seat, new), strict=True))
+                 if new else {})
         for p in range(req.key_pages, pages):  # kept already: this request may publish it too
-            store.stage(req.request_id, hashes[p], fresh[p] if p in fresh else store.get(hashes[p]))
+            store.stage(req.request_id, hashes[p], fresh.get(p, store.keys.get(hashes[p])))
         self.owners.add(req.request_id)
         req.key_pages = pages
 
@@ -90,7 +91,7 @@ class PageKeys:
             return  # keys unknown: a prompt hitting this page fails its prefill (never seen)
         assert (page + 1) * self.block_size <= recorded_rows(req), (
             f"request {request_id!r}: page {page} published before its tokens were recorded")
-        (keys,) = self.runner.read_page_keys(req.seat, [page])
+        (keys,) = self.runner.read_page_keys_later(req.seat, [page])
         store.stage(request_id, h, keys)
         self.owners.add(request_id)
         store.on_publish(h)

@@ -41,7 +41,8 @@ class IndexKeyStore:
     """Host copies of the index keys of published (and about to be published) pages.
 
     Attributes:
-      keys: page hash -> per index group, the page's keys [B, index_dim].
+      keys: page hash -> per index group, the page's keys [B, index_dim] (or a function
+        returning them while their copy to the host is in flight: `get` resolves it).
       published: hashes of entries whose page is published now.
       owners: request id -> hashes it staged that it may still publish.
     """
@@ -59,13 +60,18 @@ class IndexKeyStore:
         return page_hash in self.keys
 
     def get(self, page_hash: bytes) -> tuple[np.ndarray, ...] | None:
-        """The page's keys per index group, or None when none are kept."""
-        return self.keys.get(page_hash)
+        """The page's keys per index group, or None when none are kept (a key kept as a
+        function, still being copied to the host, is called once and kept as its value)."""
+        keys = self.keys.get(page_hash)
+        if callable(keys):
+            keys = self.keys[page_hash] = keys()
+        return keys
 
     def stage(self, request_id: Hashable, page_hash: bytes,
-              keys: tuple[np.ndarray, ...]) -> None:
+              keys: tuple[np.ndarray, ...] | Callable[[], tuple[np.ndarray, ...]]) -> None:
         """Keeps the keys of a sealed page of running request `request_id` (the first copy of
-        a hash wins, as in the host pool) until it is published or its owners are gone."""
+        a hash wins, as in the host pool) until it is published or its owners are gone;
+        `keys` may be a function that returns them (a copy still in flight)."""
         self.keys.setdefault(page_hash, keys)
         hashes = self.owners[request_id]
         if page_hash not in hashes:

@@ -54,6 +54,11 @@ def _int32_bits(value: int) -> int:
     return (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
+def _page_of(host: Callable[[], list[np.ndarray]], j: int) -> tuple[np.ndarray, ...]:
+    """Page `j` of a batch of read index keys (`Runner.read_page_keys_later`)."""
+    return tuple(g[j] for g in host())
+
+
 def fill_decode_inputs(reqs: list[Request], inputs: tuple[np.ndarray, ...], *,
                        offset: int = 0, ahead: frozenset[Hashable] = frozenset(),
                        prev_index: np.ndarray | None = None,
@@ -511,15 +516,24 @@ class Runner:
 
     def read_page_keys(self, seat: int, pages: list[int]) -> list[tuple[np.ndarray, ...]]:
         """The index keys of full pages `pages` of the request in state row `seat`: per page,
-        one [B, index_dim] host array per index group (prefix caching only)."""
+        one [B, index_dim] host array per index group (prefix caching only). Waits for them."""
+        return [keys() for keys in self.read_page_keys_later(seat, pages)]
+
+    def read_page_keys_later(self, seat: int, pages: list[int]
+                             ) -> list[Callable[[], tuple[np.ndarray, ...]]]:
+        """`read_page_keys` without waiting: dispatches the reads (ordered on the device
+        before any later write to the seat) and starts their copies to the host; per page, a
+        function that returns its keys (waiting for the copy the first time). So a step that
+        stages the keys of pages it sealed does not wait for the step dispatched after it."""
         batches = self._page_batches(pages)
-        got = jax.device_get([self._read_page_keys(self.cache.index_keys,
-                                                   *self.state.put((np.int32(seat), padded)))
-                              for _, padded in batches])
-        out = []
-        for (part, _), groups in zip(batches, got, strict=True):
-            groups = [np.asarray(g) for g in groups]
-            out += [tuple(g[j] for g in groups) for j in range(len(part))]
+        out: list[Callable[[], tuple[np.ndarray, ...]]] = []
+        for part, padded in batches:
+            groups = self._read_page_keys(self.cache.index_keys,
+                                          *self.state.put((np.int32(seat), padded)))
+            for g in groups:
+                g.copy_to_host_async()
+            host = functools.cache(lambda groups=groups: [np.asarray(g) for g in groups])
+            out += [functools.partial(_page_of, host, j) for j in range(len(part))]
         return out
 
     def write_page_keys(self, seat: int, pages: list[tuple[int, tuple[np.ndarray, ...]]]

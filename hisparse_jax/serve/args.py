@@ -99,19 +99,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill lengths are padded up to a multiple of this (default: 64)")
     g.add_argument("--prefill-chunk-size", type=POSITIVE, default=None, metavar="C",
                    help="prefill prompts in chunks of at most C tokens (default: one shot)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the pages of earlier requests that share a prompt prefix "
+                        "(EngineConfig.prefill.prefix_caching; vLLM's flag name)")
     g.add_argument("--seed", type=_number(int, 0, MAX_SEED), default=0,
                    help="EngineConfig.seed: the sampling seed (a request's 'seed' picks its "
                         "own keys under it; default: 0)")
     g.add_argument("--kv-format", default="bf16", choices=kvf.KV_FORMATS,
                    help="stored KV row format (fp8_ds_mla needs 512 + 64 rows; default: bf16)")
     g.add_argument("--speculative-tokens", type=_number(int, 0), default=0, metavar="K",
-                   help="MTP draft tokens verified per request and step (needs "
-                        "--no-async-scheduling; default: 0)")
+                   help="MTP draft tokens verified per request and step (default: 0)")
     g.add_argument("--all-resident", action="store_true",
                    help="no host tier: every KV row on the device (the baseline)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="dispatch step t + 1 while step t runs (default: on, off with "
-                        "--speculative-tokens)")
+                   help="dispatch step t + 1 while step t runs (default: on)")
     g.add_argument("--no-compile-cache", action="store_true",
                    help="do not use jax's persistent compilation cache")
     g.add_argument("--no-warmup", action="store_true",
@@ -166,10 +167,7 @@ def parse_args(argv: list[str] | None = None,
         p.error("--dtype is a checkpoint's; a synthetic config has its own dtype")
     k = args.speculative_tokens
     if args.async_scheduling is None:
-        args.async_scheduling = k == 0
-    if args.async_scheduling and k:
-        p.error(f"--async-scheduling excludes --speculative-tokens {k} (a step's accepted "
-                f"drafts are known only when it is collected): add --no-async-scheduling")
+        args.async_scheduling = True
     if k >= args.block_size:
         p.error(f"--speculative-tokens {k} must be < --block-size {args.block_size}")
     if args.gpu_blocks is not None and args.gpu_pool_fraction is not None:
@@ -239,7 +237,8 @@ def engine_config(args: argparse.Namespace, spec: models.ModelSpec) -> EngineCon
                     num_gpu_blocks=gpu_blocks, num_host_blocks=host_blocks),
         residency=AllResident() if args.all_resident else HiSparse(), seed=args.seed,
         kv_format=args.kv_format,
-        prefill=PrefillPolicy(bucket=args.prefill_bucket, chunk_size=args.prefill_chunk_size),
+        prefill=PrefillPolicy(bucket=args.prefill_bucket, chunk_size=args.prefill_chunk_size,
+                              prefix_caching=args.enable_prefix_caching),
         speculative=Speculative(num_tokens=k) if k else None,
         async_scheduling=args.async_scheduling,
         compilation_cache=not args.no_compile_cache)

@@ -500,14 +500,14 @@ def _kernel_call(q, kv, rows3, *, fmt: str, scale2: float, num_splits: int, cfg:
     lay = _Launch(tiles=num_tiles // num_splits, fmt=fmt, pitch=pitch, scale2=scale2, cfg=cfg,
                   interpret=interpret)
 
-    def body(*refs):                   # plgpu.kernel names the kernel after its function
+    def sparse_mla_decode_rows(*refs):   # plgpu.kernel names the kernel after its function
         _body(lay, *refs)
 
     out_type = (jax.ShapeDtypeStruct((num_rows, num_splits, h_pad, _V), jnp.bfloat16),
                 jax.ShapeDtypeStruct((num_rows, num_splits, h_pad), jnp.float32))
     kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     kernel = plgpu.kernel(
-        body,
+        sparse_mla_decode_rows,
         out_type=out_type,
         scratch_types=_scratch_types(lay),
         grid=(h_pad // BLOCK_H, num_splits, num_rows),

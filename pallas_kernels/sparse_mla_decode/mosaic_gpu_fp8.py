@@ -327,6 +327,9 @@ def _consume(lay: _Launch, cta: _Cta, w: int) -> None:
         @pl.when(t > 0)
         def _():
             plgpu.barrier_wait(bars.qk)        # the other consumer's Q K^T of tile t - 1
+        # A warpgroup barrier (and proxy fence): every warp of this warpgroup is past its
+        # wait for P V of tile t - 1 before any overwrites the columns that P V read.
+        plgpu.commit_smem()
         _convert(lay, cta, w)
         plgpu.commit_smem()                    # generic-proxy writes -> wgmma (async proxy)
         plgpu.barrier_arrive(bars.empty)

@@ -12,8 +12,14 @@ backends, the Triton kernel in each of its fp8 modes (FP8_MODES): against a floa
 on the dequantized rows (holes, all-masked rows, odd K, K splits, v_width 256, the
 multi-query-row form), masked rows never read (fp8 NaN bytes, Inf / NaN scales, NaN rope in
 unselected rows, NaN query rows), against bf16 rows of the same values (the error the
-format costs, printed), the Mosaic GPU kernel's refusal, validation, the CUDA lowering at real
-shapes, and the compiled kernel at real size on the GPU.
+format costs, printed), validation, the CUDA lowering at real shapes, and the compiled kernel
+at real size on the GPU.
+The row-copy Mosaic GPU kernel (`mosaic_gpu_fp8.py`, backend "mosaic_gpu": fp8 rows, and bf16
+rows with a RowTuning) in Mosaic GPU interpret mode (jax >= 0.11): fixed cases against float64
+(holes, all-masked rows, odd K, K splits, two head blocks, the cache's last row selected, every
+knob that changes the program), masked rows never read and NaN query rows (fp8 and bf16), the
+knob and input rules, the Pallas -> Mosaic GPU lowering for sm_90 of every benchmark variant
+at the benchmark's shapes, and (`gpu`) every variant compiled at real size.
 GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three
 shapes (each variant compiles in its own test, so one that fails to build fails only its
 own), fresh random inputs with -1 holes anywhere and all-invalid rows, and the poison / NaN
@@ -894,7 +900,7 @@ def _lower_for_cuda_mosaic(fn, *args) -> str:
     return text
 
 
-@pytest.mark.parametrize("fmt, variant", [pytest.param(f, v, id=f"{f}-{v}")
+@pytest.mark.parametrize("fmt, variant", [pytest.param(f, v, id=f"{f}-{v}", marks=ROW_MARKS)
                                           for f, v, _ in _row_candidates()])
 def test_row_kernel_variants_lower_for_cuda(fmt, variant):
     """Every row-copy candidate of the benchmark lowers for sm_90 at the benchmark's shapes:

@@ -182,7 +182,8 @@ def _device_times(f, sets, reps: int) -> dict:
     options.python_tracer_level = 0
     options.enable_hlo_proto = False
     with tempfile.TemporaryDirectory(prefix="hisparse-sweep-") as trace_dir:
-        with jax.profiler.trace(trace_dir, profiler_options=options):
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True,
+                                profiler_options=options):
             jax.block_until_ready([f(*sets[i % len(sets)]) for i in range(reps)])
         trace = load_trace(pathlib.Path(trace_dir))
     summary = summarise_device(device_events(trace), reps) if trace else {}

@@ -30,7 +30,9 @@
 #        sweep_async (the e2e benchmark's full sweep and plot with asynchronous scheduling),
 #        house_ab (decode checks and e2e pairs for .baseline/ and this tree, alternating),
 #        real_slice / real_slice_drift / profile_real (DeepSeek-V3.2's real-dimension slice: e2e
-#        pairs at 1, 64, 256 requests with its indexer / the drift top-k; the profile at 256)
+#        pairs at 1, 64, 256 requests with its indexer / the drift top-k; the profile at 256),
+#        rows_sweep (the row-copy Mosaic GPU attention kernel's candidates against the Triton
+#        defaults: correctness, device time, TFLOP/s; JSON to $OUT)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -248,6 +250,11 @@ run_step() {  # name, time limit in s, command...
         # N=1 with other K split counts (the default gives each split >= 4 steps of block_k).
         for sp in ${NCU_N1_SPLITS:-}; do one "attn-n1-h128-splits$sp" sparse_mla_decode attention --n 1 --h 128 --splits "$sp"; done
       ' ;;
+      # The row-copy Mosaic GPU attention kernel (fp8_ds_mla and bf16 rows) against the Triton
+      # defaults in one call: every candidate checked against the jnp reference, device time
+      # and TFLOP/s at N x h_q = 64x128, 256x128, 64x16 (bench/ncu_kernels.py sweep). JSON to
+      # $OUT (bench/results/ is full), printed lines in the log.
+      rows_sweep) run_step rows_sweep "${ROWS_SWEEP_LIMIT:-560}" python3 -m bench.ncu_kernels sweep --json "${ROWS_SWEEP_JSON:-$OUT/attention_rows_sweep.json}" --shapes "${ROWS_SWEEP_SHAPES:-64x128,256x128,64x16}" --budget-s "${ROWS_SWEEP_BUDGET:-420}" ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
       # The MoE's grouped matmul: its GPU tests (G = 256, skewed and empty groups, one 15 GB

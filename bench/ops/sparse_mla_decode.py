@@ -132,6 +132,41 @@ def mosaic_variants() -> dict:
     }
 
 
+def mosaic_row_variants() -> dict:
+    """The row-copy Mosaic GPU kernel's variants (`mosaic_gpu_fp8.RowTuning`; the first is its
+    default), or {} where this jax cannot import it. Each runs fp8_ds_mla rows, and bf16 rows
+    when passed as the config of backend "mosaic_gpu". The knobs: one 768-byte copy per fp8
+    row or 640 + 128 bytes (`row_copies`), copies issued per producer loop iteration
+    (`copy_unroll`), Pallas' automatic warpgroup barriers (one before every copy), Mosaic's
+    bank-conflict-checked staging loads (bf16 rows only: fp8 views are refused), fewer
+    consumer registers for a larger producer budget."""
+    try:
+        from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8 import RowTuning
+    except ImportError:
+        return {}
+    return {
+        "row": RowTuning(),
+        "row_2copies": RowTuning(row_copies=2),
+        "row_unroll1": RowTuning(copy_unroll=1),
+        "row_unroll16": RowTuning(copy_unroll=16),
+        "row_autobar": RowTuning(auto_barriers=True),
+        "row_regs224": RowTuning(compute_registers=224, producer_registers=56),
+    }
+
+
+def mosaic_row_bf16_variants() -> dict:
+    """Row-copy variants for bf16 rows (passed as the config of backend "mosaic_gpu"): the
+    default and Mosaic's optimized (bank-conflict checked) staging loads, which it plans for
+    the bf16 staging tile."""
+    rows = mosaic_row_variants()
+    if not rows:
+        return {}
+    import dataclasses
+
+    return {"row": rows["row"],
+            "row_optloads": dataclasses.replace(rows["row"], optimized_loads=True)}
+
+
 CANDIDATES = (("mosaic_gpu:pipelined",) if os.environ.get("SPARSE_MLA_BENCH_MOSAIC") else ()
               ) + tuple(f"triton:{v}" for v in {**ATTENTION_VARIANTS, **ATTENTION_SWEEP_EXTRA})
 MATMUL_N, COPY_ELEMS = 8192, 1 << 29

@@ -53,7 +53,8 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # What `backend=None` tries on a GPU, in order ("reference" always runs). The Mosaic GPU
-# attention kernel is registered but opt-in: the Triton one is faster
+# attention kernels (the TMA-box kernel and the row-copy kernel that also reads fp8_ds_mla
+# rows) are registered but opt-in until measured faster than the Triton one
 # (`bench/NOTES-sparse_mla.md`). So is jax's Mosaic GPU grouped matmul: it runs a full tile
 # for every group, empty or not (`pallas_kernels/grouped_matmul/mosaic_gpu.py`), where the
 # Triton kernel skips the empty ones.

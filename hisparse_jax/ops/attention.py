@@ -10,13 +10,17 @@ Backends (`backend=`, through `hisparse_jax.ops._registry`):
   "triton":     Pallas kernel through the Triton lowering (`.../triton.py`): vector-index row
                 gathers; bf16/f16, v_width a power of two and the rest of the row power-of-two
                 pieces (576 = 512 + 64). The default on a GPU when it supports the inputs.
-  "mosaic_gpu": Pallas Mosaic GPU kernel with wgmma (`.../mosaic_gpu.py`); Hopper GPUs,
-                jax >= 0.11, bf16/f16, D a multiple of 64, v_width a multiple of 128. Opt-in.
+  "mosaic_gpu": Pallas Mosaic GPU kernels with wgmma; Hopper GPUs, jax >= 0.11. Opt-in. bf16
+                rows: the TMA-box kernel (`.../mosaic_gpu.py`; bf16/f16, D a multiple of 64,
+                v_width a multiple of 128), or with a `mosaic_gpu_fp8.RowTuning` config the
+                row-copy kernel (`.../mosaic_gpu_fp8.py`: one bulk copy per row, rewritten
+                into the wgmma layout in shared memory; bf16 q, D 576, v_width 512);
+                fp8_ds_mla rows: the row-copy kernel.
   None:         "triton" on a GPU when it supports the inputs, else "reference".
 
 KV row formats (`kv_format=`, `pallas_kernels/kv_format.py`, `docs/kv_format.md`): "bf16" (rows
 of q's float dtype) on every backend; "fp8_ds_mla" (uint8[656] rows: fp8 latent with 4
-float32 scales, bf16 rope) on "reference" and "triton", not "mosaic_gpu".
+float32 scales, bf16 rope) on "reference", "triton" and "mosaic_gpu" (its row-copy kernel).
 """
 
 from __future__ import annotations
@@ -62,9 +66,11 @@ def sparse_mla_decode(
         for the triton kernel, any float q for the reference).
       backend: "reference", "triton", "mosaic_gpu" or None (module docstring).
       config: optional tuning of the kernel that runs:
-        `pallas_kernels.sparse_mla_decode.triton.AttentionTuning` (triton) or
-        `pallas_kernels.sparse_mla_decode.mosaic_gpu.TuningConfig` (mosaic_gpu); ignored
-        by the reference.
+        `pallas_kernels.sparse_mla_decode.triton.AttentionTuning` (triton),
+        `pallas_kernels.sparse_mla_decode.mosaic_gpu.TuningConfig` (mosaic_gpu, bf16 rows,
+        the TMA-box kernel) or `pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8.RowTuning`
+        (mosaic_gpu, the row-copy kernel: fp8_ds_mla rows, and bf16 rows when given);
+        ignored by the reference.
 
     Returns:
       out: [N, h_q, v_width] (or [N, s_q, h_q, v_width]) in q's dtype;

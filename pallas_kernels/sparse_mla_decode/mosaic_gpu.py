@@ -6,6 +6,10 @@ out = 0 and lse = -inf). The Triton kernel (`triton.py`) is the default on the G
 must copy each selected row as D/64 separate TMA boxes (figures in
 `bench/NOTES-sparse_mla.md`).
 
+The "mosaic_gpu" backend has a second kernel, `mosaic_gpu_fp8.py`, which moves each row with one
+bulk copy and rewrites it into the wgmma layout in SMEM: it runs fp8_ds_mla rows (always) and
+bf16 rows when the config is a `mosaic_gpu_fp8.RowTuning` (`sparse_mla_decode` dispatches).
+
 Design (one CTA per (query row, block of 64 heads, K split)):
   * 2 compute warpgroups + `producer_wgs` copy warpgroups (warp specialisation, as in
     jax's attention_mgpu.py). Q [64, D] sits in SMEM for the whole CTA; KV rows stream
@@ -108,16 +112,17 @@ DEFAULT = TuningConfig()
 def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
              v_width: int = 512, kv_format: str = kvf.BF16,
              interpret: bool = False) -> str | None:
-    """None when this kernel handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
-    arguments of `sparse_mla_decode`), else the reason: "bf16" rows only, bf16/f16,
-    D % 64 == 0, v_width a multiple of 128 and <= 512; with `interpret`, a jax with Mosaic GPU
-    interpret mode."""
-    del kv_rows, attention_rows, sm_scale
+    """None when this backend handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
+    arguments of `sparse_mla_decode`), else the reason. "bf16" rows: bf16/f16, D % 64 == 0,
+    v_width a multiple of 128 and <= 512; "fp8_ds_mla" rows: the row-copy kernel's rules
+    (`mosaic_gpu_fp8.supports`); with `interpret`, a jax with Mosaic GPU interpret mode."""
     if kvf.check_kv_format(kv_format) != kvf.BF16:
-        return (f"the mosaic_gpu kernel reads bf16 rows only, not {kv_format}: its TMA copies "
-                f"land each row straight in the wgmma operand layout, with no register pass "
-                f"to dequantize fp8 bytes and apply the per-group scales (the triton backend "
-                f"reads {kv_format})")
+        from pallas_kernels.sparse_mla_decode import mosaic_gpu_fp8
+
+        return mosaic_gpu_fp8.supports(q, kv_rows, attention_rows, sm_scale=sm_scale,
+                                       v_width=v_width, kv_format=kv_format,
+                                       interpret=interpret)
+    del kv_rows, attention_rows, sm_scale
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the mosaic_gpu kernel needs bfloat16 or float16 inputs, got {q.dtype}"
     width = q.shape[-1]
@@ -439,21 +444,34 @@ def _kernel_call(q, kv_rows, rows3, *, scale2: float, v_width: int, num_splits: 
     return kernel(q, kv_rows, rows3)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format", "interpret",
-                                             "tuning"))
-def sparse_mla_decode(
-    q: jax.Array,
-    kv_rows: jax.Array,
-    attention_rows: jax.Array,
-    *,
-    sm_scale: float,
-    v_width: int = 512,
-    kv_format: str = kvf.BF16,
-    interpret: bool = False,
-    tuning: TuningConfig | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Kernel entry on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's dtype
-    (kv_format "bf16" only), attention_rows int32 [T, K] (-1 = masked).
+def sparse_mla_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Array, *,
+                      sm_scale: float, v_width: int = 512, kv_format: str = kvf.BF16,
+                      interpret: bool = False, tuning: Any = None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Backend entry on validated inputs: fp8_ds_mla rows, or a `mosaic_gpu_fp8.RowTuning`
+    config, run the row-copy kernel (`mosaic_gpu_fp8.sparse_mla_decode`); bf16 rows with a
+    `TuningConfig` (or None) the TMA-box kernel of this module (`_tma_kernel_decode`).
+    Arguments and results as in those."""
+    from pallas_kernels.sparse_mla_decode import mosaic_gpu_fp8
+
+    if kvf.check_kv_format(kv_format) != kvf.BF16 or isinstance(tuning, mosaic_gpu_fp8.RowTuning):
+        if tuning is not None and not isinstance(tuning, mosaic_gpu_fp8.RowTuning):
+            raise ValueError(f"the mosaic_gpu backend reads {kv_format} rows with its row-copy "
+                             f"kernel, whose config is a mosaic_gpu_fp8.RowTuning, got "
+                             f"{type(tuning).__name__}")
+        return mosaic_gpu_fp8.sparse_mla_decode(q, kv_rows, attention_rows, sm_scale=sm_scale,
+                                                v_width=v_width, kv_format=kv_format,
+                                                interpret=interpret, tuning=tuning)
+    return _tma_kernel_decode(q, kv_rows, attention_rows, sm_scale=sm_scale, v_width=v_width,
+                              interpret=interpret, tuning=tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "interpret", "tuning"))
+def _tma_kernel_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Array, *,
+                       sm_scale: float, v_width: int = 512, interpret: bool = False,
+                       tuning: TuningConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """This module's kernel on validated inputs: q [T, h_q, D] bf16/f16, kv_rows [R, D] of q's
+    dtype, attention_rows int32 [T, K] (-1 = masked).
 
     Returns out [T, h_q, v_width] in q.dtype and lse float32 [T, h_q] (natural log).
     Raises ValueError with `supports`' reason for inputs it cannot run.
@@ -461,7 +479,7 @@ def sparse_mla_decode(
     cfg = tuning or DEFAULT
     num_rows, h_q, width = q.shape
     top_k = attention_rows.shape[1]
-    reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format, interpret=interpret)
+    reason = supports(q, kv_rows, v_width=v_width, interpret=interpret)
     if reason is not None:
         raise ValueError(reason)
     bkv = cfg.block_kv

@@ -12,8 +12,14 @@ backends, the Triton kernel in each of its fp8 modes (FP8_MODES): against a floa
 on the dequantized rows (holes, all-masked rows, odd K, K splits, v_width 256, the
 multi-query-row form), masked rows never read (fp8 NaN bytes, Inf / NaN scales, NaN rope in
 unselected rows, NaN query rows), against bf16 rows of the same values (the error the
-format costs, printed), the Mosaic GPU kernel's refusal, validation, the CUDA lowering at real
-shapes, and the compiled kernel at real size on the GPU.
+format costs, printed), validation, the CUDA lowering at real shapes, and the compiled kernel
+at real size on the GPU.
+The row-copy Mosaic GPU kernel (`mosaic_gpu_fp8.py`, backend "mosaic_gpu": fp8 rows, and bf16
+rows with a RowTuning) in Mosaic GPU interpret mode (jax >= 0.11): fixed cases against float64
+(holes, all-masked rows, odd K, K splits, two head blocks, the cache's last row selected, every
+knob that changes the program), masked rows never read and NaN query rows (fp8 and bf16), the
+knob and input rules, the Pallas -> Mosaic GPU lowering for sm_90 of every benchmark variant
+at the benchmark's shapes, and (`gpu`) every variant compiled at real size.
 GPU (`pytest -m gpu`): the compiled kernels, every candidate variant of the benchmark at three
 shapes (each variant compiles in its own test, so one that fails to build fails only its
 own), fresh random inputs with -1 holes anywhere and all-invalid rows, and the poison / NaN
@@ -38,9 +44,12 @@ from bench.ops.sparse_mla_decode import (
     ATTENTION_VARIANTS,
     FP8_ATTENTION_VARIANTS,
     FP8_CANDIDATES,
+    mosaic_row_bf16_variants,
+    mosaic_row_variants,
     mosaic_variants,
 )
 from hisparse_jax.ops import _registry, sparse_mla_decode
+from pallas_kernels import _compat
 from pallas_kernels import kv_format as kvf
 from pallas_kernels.sparse_mla_decode import reference
 from pallas_kernels.sparse_mla_decode import triton as tk
@@ -563,12 +572,19 @@ def test_fp8_against_bf16_rows_of_the_same_values(backend):
     assert err < 0.1 and lse_err < 0.1
 
 
-def test_fp8_mosaic_gpu_says_why_not():
+def test_fp8_mosaic_gpu_takes_deepseek_rows_and_says_why_not_others():
+    """The mosaic_gpu backend runs fp8 rows with its row-copy kernel (bf16 q of width 576,
+    v_width 512) and names the rule it cannot meet otherwise."""
     supports = pytest.importorskip("pallas_kernels.sparse_mla_decode.mosaic_gpu").supports
     args = (sds((2, 16, 576), jnp.bfloat16), sds((64, 656), jnp.uint8), sds((2, 8)))
-    assert "bf16 rows only" in supports(*args, kv_format=FP8)
-    with pytest.raises(ValueError, match="mosaic_gpu.*bf16 rows only, not fp8_ds_mla"):
-        _registry.select("sparse_mla_decode", "mosaic_gpu", *args, kv_format=FP8)
+    assert supports(*args, kv_format=FP8) is None
+    assert "v_width 512" in supports(*args, kv_format=FP8, v_width=256)
+    f16 = (sds((2, 16, 576), jnp.float16), *args[1:])
+    assert "bfloat16 q of width 576" in supports(*f16, kv_format=FP8)
+    huge = (args[0], sds((4_000_000, 656), jnp.uint8), args[2])
+    assert "int32 byte offsets" in supports(*huge, kv_format=FP8)
+    with pytest.raises(ValueError, match="mosaic_gpu.*v_width 512, got 256"):
+        _registry.select("sparse_mla_decode", "mosaic_gpu", *args, kv_format=FP8, v_width=256)
     assert _registry.select("sparse_mla_decode", "triton", *args, kv_format=FP8) == "triton"
 
 
@@ -772,3 +788,161 @@ def test_fp8_gpu_default_backend_and_bf16_comparison():
     print(f"fp8 vs bf16 at N=64 h=128 K=2048: {err:.2e}; vs fp8 reference {err_ref:.2e}")
     assert err < 0.1 and err_ref < 1e-2
     assert float(np.max(np.abs(np.asarray(lse8) - np.asarray(lse16)))) < 0.1
+
+
+# ------------------------------- the row-copy Mosaic GPU kernel (mosaic_gpu_fp8.py): fp8 and bf16
+
+# Backend "mosaic_gpu" runs fp8 rows with the row-copy kernel, and bf16 rows when the config is
+# a RowTuning. Off the GPU it runs in Mosaic GPU interpret mode (jax >= 0.11), each case in a
+# process of its own (`rerun_isolated`: the interpreter can deadlock on few cores).
+ROW_MARKS = [m for p in BACKENDS if p.values[0] == "mosaic_gpu" for m in p.marks]
+
+
+def _row_tuning(**knobs):
+    from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8 import RowTuning
+
+    return RowTuning(**knobs)
+
+
+ROW_CASES = {   # (kv_format, n, h, top_k, hole_frac, invalid_rows, RowTuning knobs)
+    "fp8_holes_odd_k": (FP8, 3, 16, 37, 0.3, (1,), {}),
+    "fp8_two_head_blocks_splits_two_copies": (FP8, 2, 128, 150, 0.5, (0,),
+                                              {"num_splits": 2, "row_copies": 2}),
+    "fp8_odd_heads_unroll1_barriers": (FP8, 1, 80, 64, 0.0, (),
+                                       {"copy_unroll": 1, "auto_barriers": True}),
+    "bf16_rows": ("bf16", 2, 16, 128, 0.3, (0,), {}),
+    "bf16_two_head_blocks_splits": ("bf16", 1, 128, 100, 0.2, (),
+                                    {"num_splits": 2, "copy_unroll": 4}),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=ROW_MARKS) for c in ROW_CASES])
+def test_row_kernel_cases_match_float64(case, request):
+    """The row-copy kernel against float64 (fp8: on the dequantized rows): holes, all-masked
+    rows (0 / -inf), odd K, K splits, 1 and 2 head blocks, the last row of the cache
+    selected, every knob that changes the program (two copies per fp8 row, copy unroll,
+    Pallas' automatic barriers)."""
+    if INTERPRET and rerun_isolated(request):
+        return
+    fmt, n, h, top_k, hole_frac, invalid, knobs = ROW_CASES[case]
+    q, kv, kv8, rows = make_fp8_inputs(80 + n + top_k, n, h, top_k, 300, hole_frac=hole_frac,
+                                       invalid_rows=invalid)
+    rows = np.asarray(rows).copy()
+    last = kv.shape[0] * kv.shape[1] - 1
+    rows[[t for t in range(n) if t not in invalid], 0] = last
+    rows = jnp.asarray(rows)
+    cache = kv8 if fmt == FP8 else kv
+    out, lse = sparse_mla_decode(q, cache, rows, sm_scale=SM_SCALE, kv_format=fmt,
+                                 backend="mosaic_gpu", config=_row_tuning(**knobs))
+    assert out.shape == (n, h, 512) and out.dtype == jnp.bfloat16
+    assert lse.shape == (n, h) and lse.dtype == jnp.float32
+    err = (assert_close_fp8(out, lse, q, kv8, rows) if fmt == FP8
+           else assert_close(out, lse, q, kv, rows))
+    print(f"row-copy kernel {case}: relative error vs float64 {err:.2e}")
+    for r in invalid:
+        assert np.all(np.asarray(out, np.float32)[r] == 0.0)
+        assert np.all(np.asarray(lse)[r] == -np.inf)
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=ROW_MARKS) for f in (FP8, "bf16")])
+def test_row_kernel_masked_rows_are_never_read(fmt, request):
+    """NaN / Inf in rows no entry selects (row 0 among them; fp8: NaN bytes, Inf and NaN
+    scales, NaN rope) change no bit of the output; the all-masked row is 0 / -inf; a NaN
+    query row (head) gives NaN out and lse for that row (head) only, across 2 K splits."""
+    if INTERPRET and rerun_isolated(request):
+        return
+    inputs = (poisoned_fp8_inputs(31, 4, 16, 128, 300) if fmt == FP8
+              else poisoned_inputs(31, 4, 16, 128, 300, nan_query=True))
+    check_poisoned_run(*inputs, "mosaic_gpu", _row_tuning(num_splits=2), kv_format=fmt)
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"row_copies": 3}, "row_copies"), ({"copy_unroll": 5}, "copy_unroll"),
+    ({"num_splits": 0}, "num_splits"), ({"compute_registers": 240, "producer_registers": 64},
+                                        "registers"),
+])
+def test_row_tuning_rejects_bad_knobs(knobs, match):
+    pytest.importorskip("pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8")
+    with pytest.raises(ValueError, match=match):
+        _row_tuning(**knobs)
+
+
+def test_row_kernel_bf16_rows_say_why_not():
+    """bf16 rows with a RowTuning: the row-copy kernel's rules, named."""
+    pytest.importorskip("pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8")
+    if not _compat.mosaic_gpu_interpret_available() and INTERPRET:
+        pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11")
+    q, kv, rows = make_inputs(4, 2, 4, 8, 32, width=128)
+    with pytest.raises(ValueError, match="bfloat16 q of width 576"):
+        sparse_mla_decode(q, kv, rows, sm_scale=SM_SCALE, v_width=128, backend="mosaic_gpu",
+                          config=_row_tuning())
+    q, _, kv8, rows = make_fp8_inputs(4, 2, 4, 8, 32)
+    with pytest.raises(ValueError, match="RowTuning"):
+        from pallas_kernels.sparse_mla_decode.mosaic_gpu import TuningConfig
+
+        sparse_mla_decode(q, kv8, rows, sm_scale=SM_SCALE, kv_format=FP8,
+                          backend="mosaic_gpu", config=TuningConfig())
+
+
+def _row_candidates() -> list[tuple[str, str, object]]:
+    """(kv_format, variant, RowTuning) of every row-copy candidate of the benchmark."""
+    return ([(FP8, v, cfg) for v, cfg in mosaic_row_variants().items()]
+            + [("bf16", v, cfg) for v, cfg in mosaic_row_bf16_variants().items()])
+
+
+def _lower_for_cuda_mosaic(fn, *args) -> str:
+    """The StableHLO of `jit(fn)(*args)` lowered for CUDA on this CPU machine: the whole Pallas
+    -> Mosaic GPU lowering (layouts, copy kinds, transforms), not ptxas."""
+    if _compat.has_gpu():
+        pytest.skip("the GPU tests compile for real")
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return text
+
+
+@pytest.mark.parametrize("fmt, variant", [pytest.param(f, v, id=f"{f}-{v}", marks=ROW_MARKS)
+                                          for f, v, _ in _row_candidates()])
+def test_row_kernel_variants_lower_for_cuda(fmt, variant):
+    """Every row-copy candidate of the benchmark lowers for sm_90 at the benchmark's shapes:
+    (N, h_q, K) = (64, 128, 2048), (256, 128, 2048), (64, 16, 2048) and (1, 128, 1999) (odd K,
+    16 K splits), over the benchmark's pool of 2^19 rows."""
+    from pallas_kernels.sparse_mla_decode import mosaic_gpu_fp8 as rk
+
+    cfg = dict((v, c) for f, v, c in _row_candidates() if f == fmt)[variant]
+    kv = sds((1 << 19, 656), jnp.uint8) if fmt == FP8 else sds((1 << 19, 576), jnp.bfloat16)
+    for n, h, top_k in ((64, 128, 2048), (256, 128, 2048), (64, 16, 2048), (1, 128, 1999)):
+        _lower_for_cuda_mosaic(functools.partial(rk.sparse_mla_decode, sm_scale=0.1,
+                                                 kv_format=fmt, tuning=cfg),
+                               sds((n, h, 576), jnp.bfloat16), kv, sds((n, top_k)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, variant", [pytest.param(f, v, id=f"{f}-{v}")
+                                          for f, v, _ in _row_candidates()])
+@pytest.mark.parametrize("n, h, top_k", [(1, 16, 2048), (4, 128, 2048), (3, 64, 1000)])
+def test_row_kernel_gpu_matches_float64(fmt, variant, n, h, top_k):
+    """The compiled row-copy kernel at real size (50,000 rows, the last one selected) against
+    float64, then fresh inputs through the same kernel."""
+    cfg = dict((v, c) for f, v, c in _row_candidates() if f == fmt)[variant]
+    for seed in (600 + n * h + top_k, 13 + n):
+        q, kv, kv8, rows = make_fp8_inputs(seed, n, h, top_k, 50_000,
+                                           invalid_rows=(n - 1,) if n > 1 else ())
+        rows = np.asarray(rows).copy()
+        rows[0, 0] = 50_000 - 1
+        rows = jnp.asarray(rows)
+        out, lse = sparse_mla_decode(q, kv8 if fmt == FP8 else kv, rows, sm_scale=SM_SCALE,
+                                     kv_format=fmt, backend="mosaic_gpu", config=cfg)
+        err = (assert_close_fp8(out, lse, q, kv8, rows) if fmt == FP8
+               else assert_close(out, lse, q, kv, rows))
+        print(f"row-copy gpu {fmt} {variant} N={n} h={h} K={top_k}: relative error {err:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, variant", [pytest.param(f, v, id=f"{f}-{v}")
+                                          for f, v, _ in _row_candidates()])
+def test_row_kernel_gpu_masked_rows_are_never_read(fmt, variant):
+    """test_row_kernel_masked_rows_are_never_read compiled, at N=4, h_q=128, K=2048."""
+    cfg = dict((v, c) for f, v, c in _row_candidates() if f == fmt)[variant]
+    inputs = (poisoned_fp8_inputs(41, 4, 128, 2048, 50_000) if fmt == FP8
+              else poisoned_inputs(41, 4, 128, 2048, 50_000, nan_query=True))
+    check_poisoned_run(*inputs, "mosaic_gpu", cfg, kv_format=fmt)

@@ -1,0 +1,562 @@
+"""sparse_mla_decode as a Pallas Mosaic GPU kernel that moves each selected row with ONE bulk
+copy: fp8_ds_mla rows (uint8[656]) and bf16 rows; Hopper, jax >= 0.11. Opt-in.
+
+Import this module only where jax has Mosaic GPU Pallas (`mosaic_gpu.py` loads it lazily).
+Contract: `reference.sparse_mla_decode` (flat rows, -1 holes anywhere, all-invalid rows give
+out = 0 and lse = -inf), restricted to DeepSeek-V3.2's dimensions: D = 576, v_width = 512.
+
+Why a second Mosaic GPU kernel: `mosaic_gpu.py` lands every row straight in the wgmma operand
+layout, which takes one TMA box per 128 bytes of the row (the swizzled tile never holds a row
+contiguously). Here a row is one contiguous `cp.async.bulk` copy (Mosaic GPU lowers a GMEM ->
+SMEM copy of a contiguous, unswizzled slice to the non-tensor bulk copy, whose size is any
+multiple of 16 bytes) into a row-major staging tile; the consumer warpgroups then rewrite the
+staging tile into the swizzled bf16 tile (fp8: e4m3 -> f16 -> f32, times the row's group
+scale, -> bf16; bf16 rows: a plain re-layout) before the matmuls.
+
+Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selected rows):
+  * 3 warpgroups: 2 consumers (compute) and 1 producer. The producer copies the tile's row ids
+    to SMEM (one TMA of 64 int32, two slots) and issues one row copy per selected row (fp8:
+    768 bytes from the row's start, `row_copies=1`, which over-reads 112 bytes past the row
+    and is clamped at the cache's end; or 640 + 128 bytes, `row_copies=2`; bf16: 1152 bytes)
+    into the staging tile. Masked entries are redirected to a row the same query row selects
+    (`mosaic_gpu.redirect_masked`): an unselected row is never read.
+  * SMEM: Q [64, 576] bf16 (72 KiB; reused for the output at the end), ONE swizzled bf16 KV
+    tile [64, 576] (72 KiB) and ONE staging tile (fp8: 64 x 784 B, bf16: 64 x 1168 B; the row
+    pitch is the copy rounded up, plus 16 B so that consecutive rows start 4 banks apart).
+    A second KV tile does not fit next to a staging tile; so per tile the consumers first
+    convert (staging -> KV tile, which frees the staging tile for the next tile's copies),
+    then compute, and the producer's copies of tile t + 1 overlap the matmuls of tile t.
+  * Conversion is split by value half: consumer w writes latent columns [256 w, 256 w + 256)
+    (the columns its own P V reads) and consumer 0 also the rope. Before overwriting them for
+    tile t + 1 it waits until the other consumer's Q K^T of tile t is done (`qk_done`); its own
+    P V of tile t finished in program order. After both converted (`conv_done`) each computes
+    S = Q K^T over all 576 columns (both: the 64 x 512 fp32 accumulator does not fit one
+    warpgroup), the online softmax in base 2 (running max starts at the finite `M_INIT`), and
+    acc += P V over its 256 value columns.
+  * fp8 details: the latent chunk [64 rows, 64 bytes] is loaded in the WGMMA register layout,
+    bitcast to float8_e4m3fn and widened (e4m3 -> f16 is exact; f16 -> f32), multiplied by
+    the row's float32 scale and rounded to bf16 once. The scales and the rope are read on the
+    GPU through typed views of the staging tile (a `RefUnion` of uint8, float32 and bfloat16
+    views of the same bytes); under the interpreter (which keeps union members apart) they
+    are assembled from the staging bytes with shifts and same-width bitcasts (same values).
+  * Lane lowering semantics (explicit layouts; Mosaic's layout inference searched for minutes
+    over the staging tile's views). A Lane-semantics GMEM -> SMEM copy must move a multiple of
+    128 bytes, hence the 768-byte fp8 copy; its GMEM source is the cache viewed as flat bytes,
+    addressed with int32 offsets: at most 2^31 - 768 bytes (`supports`).
+  * K splits (flash-decoding) fill the GPU at small N; the splits are merged in float32
+    (`reference.merge_splits`). A query row with no valid entry copies row 0 and the wrapper
+    writes its out = 0, lse = -inf.
+
+`interpret=True` runs the same kernel in Mosaic GPU interpret mode on the CPU (jax 0.11+). The
+differences: the typed staging views (above); P V reads P from SMEM with a fresh accumulator
+(the interpreter has neither `run_state` nor register-A wgmma); the flat fp8 cache is padded
+with 112 zero bytes so the over-reading copy of the last row stays in bounds (on the GPU
+Mosaic clamps the copy at the end of the cache and completes the missing bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat
+from pallas_kernels import kv_format as kvf
+from pallas_kernels.sparse_mla_decode.mosaic_gpu import (
+    BLOCK_H,
+    _choose_splits,
+    _softmax_update,
+    redirect_masked,
+)
+from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
+
+BKV = 64                  # selected rows per tile (wgmma N of Q K^T, K of P V)
+_CHUNK = 64               # bf16 columns per swizzled tile column (128-byte swizzle)
+_WIDTH = kvf.ROW_WIDTH    # 576
+_V = kvf.LATENT_DIM       # 512
+_V_HALF = _V // 2
+_SMEM_BYTES = 232448      # opt-in shared memory per block on Hopper (227 KiB)
+_FP8_COPY = 768           # bytes of the one-copy fp8 row transfer (6 x 128)
+_FP8_PITCH = 784          # staging row pitch, fp8 (16 B of bank skew)
+_BF16_PITCH = 584         # staging row pitch, bf16 rows, in bf16 elements (1168 B)
+_ROPE_AT = {1: 528, 2: 640}   # byte of the rope in a staged fp8 row, per `row_copies`
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTuning:
+    """Knobs of the row-copy kernel; the only bag of its tuning parameters.
+
+    num_splits: K splits per (row, head block); None = about one wave of CTAs.
+    row_copies: fp8 rows only: 1 = one 768-byte copy per row (6 x 128 B, over-reading 112 B
+      past the row), 2 = a 640-byte and a 128-byte copy (the rope again), both inside the row.
+    copy_unroll: row copies issued per producer loop iteration (a divisor of 64).
+    auto_barriers: keep Pallas' automatic warpgroup barriers (one per copy and per SMEM
+      access); False sets `unsafe_no_auto_barriers` (the kernel never reads and writes one
+      SMEM region from the same thread, the condition Pallas documents).
+    optimized_loads: ask Mosaic for its bank-conflict-checked SMEM -> register transfers of
+      the staging tile (it refuses some views: False is the safe default).
+    compute_registers / producer_registers: setmaxnreg targets; 128 * (2 * compute +
+      producer) must be <= 65536.
+    """
+
+    num_splits: int | None = None
+    row_copies: int = 1
+    copy_unroll: int = 8
+    auto_barriers: bool = False
+    optimized_loads: bool = False
+    compute_registers: int = 232
+    producer_registers: int = 40
+
+    def __post_init__(self) -> None:
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"RowTuning.num_splits must be None or >= 1, got {self.num_splits}")
+        if self.row_copies not in (1, 2):
+            raise ValueError(f"RowTuning.row_copies must be 1 or 2, got {self.row_copies}")
+        if self.copy_unroll < 1 or BKV % self.copy_unroll:
+            raise ValueError(f"RowTuning.copy_unroll must divide {BKV}, got {self.copy_unroll}")
+        regs = 128 * (2 * self.compute_registers + self.producer_registers)
+        if regs > 65536 or min(self.compute_registers, self.producer_registers) < 24:
+            raise ValueError(f"RowTuning registers must be >= 24 each and fit the 64K register "
+                             f"file: {regs}")
+
+
+DEFAULT = RowTuning()
+
+
+def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
+             v_width: int = 512, kv_format: str = kvf.BF16,
+             interpret: bool = False) -> str | None:
+    """None when this kernel handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
+    arguments of `sparse_mla_decode`), else the reason: a bfloat16 q of width 576, v_width
+    512, rows of `kv_format` ("bf16": bfloat16 [R, 576]; "fp8_ds_mla": uint8 [R, 656] of at
+    most 2^31 - 768 bytes in all); with `interpret`, a jax with Mosaic GPU interpret mode."""
+    del attention_rows, sm_scale
+    fmt = kvf.check_kv_format(kv_format)
+    if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16) or q.shape[-1] != _WIDTH:
+        return (f"the mosaic_gpu row-copy kernel needs a bfloat16 q of width {_WIDTH}, got "
+                f"{jnp.dtype(q.dtype).name} width {q.shape[-1]}")
+    if v_width != _V:
+        return f"the mosaic_gpu row-copy kernel needs v_width {_V}, got {v_width}"
+    rows = 1
+    for d in kv_rows.shape[:-1]:
+        rows *= int(d)
+    if fmt == kvf.FP8_DS_MLA:
+        if kv_rows.shape[-1] != kvf.FP8_ROW_BYTES or jnp.dtype(kv_rows.dtype) != jnp.uint8:
+            return (f"the mosaic_gpu row-copy kernel reads {fmt} rows as "
+                    f"uint8[{kvf.FP8_ROW_BYTES}], got {jnp.dtype(kv_rows.dtype).name}"
+                    f"[{kv_rows.shape[-1]}]")
+        if rows * kvf.FP8_ROW_BYTES > 2**31 - _FP8_COPY:
+            return (f"the mosaic_gpu row-copy kernel addresses fp8 rows with int32 byte "
+                    f"offsets: at most {(2**31 - _FP8_COPY) // kvf.FP8_ROW_BYTES} rows, got "
+                    f"{rows}")
+    elif jnp.dtype(kv_rows.dtype) != jnp.dtype(jnp.bfloat16) or kv_rows.shape[-1] != _WIDTH:
+        return (f"the mosaic_gpu row-copy kernel reads bf16 rows as bfloat16[{_WIDTH}], got "
+                f"{jnp.dtype(kv_rows.dtype).name}[{kv_rows.shape[-1]}]")
+    if interpret and not _compat.mosaic_gpu_interpret_available():
+        return (f"the mosaic_gpu kernel runs off the GPU only in Mosaic GPU interpret mode, "
+                f"which jax {jax.__version__} lacks (jax >= 0.11 has it)")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Static shape of one launch: `tiles` tiles of BKV rows per CTA, rows of `fmt`, the
+    staging tile's pitch (bytes), `scale2` = sm_scale * log2(e)."""
+
+    tiles: int
+    fmt: str
+    pitch: int
+    scale2: float
+    cfg: RowTuning
+    interpret: bool
+
+    @property
+    def fp8(self) -> bool:
+        return self.fmt == kvf.FP8_DS_MLA
+
+
+class _Cta(NamedTuple):
+    """One CTA's grid position and refs (the operands, the outputs, `_scratch_types`)."""
+
+    hblk: Any
+    split: Any
+    row: Any
+    tile0: Any
+    q_ref: Any
+    kv_ref: Any
+    rows_ref: Any
+    out_ref: Any
+    lse_ref: Any
+    q_smem: Any
+    o_smem2: Any
+    lse_smem: Any
+    kv_tile: Any
+    stage: Any        # the staging tile (uint8 [64, pitch] fp8, bf16 [64, pitch / 2] bf16)
+    stage_f32: Any    # fp8 on the GPU: float32 view of the staging tile (else None)
+    stage_bf16: Any   # fp8 on the GPU: bfloat16 view of the staging tile (else None)
+    idx_smem: Any
+    p_scratch: Any
+    bars: Any
+
+
+class _Bars(NamedTuple):
+    q: Any           # Q landed
+    idx: Any         # [2]: the row ids of a tile landed
+    full: Any        # the staging tile's row copies landed
+    empty: Any       # both consumers converted the staging tile (2 arrivals)
+    conv: Any        # both consumers wrote their part of the KV tile (2 arrivals)
+    qk: Any          # both consumers finished Q K^T of the KV tile (2 arrivals)
+    done: Any        # both consumers are done with Q (its SMEM then holds O) (2 arrivals)
+
+
+def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_tile,
+          stage_union, idx_smem, *rest):
+    """The kernel: warpgroups 0 and 1 convert and compute (`_consume`), 2 copies (`_produce`)."""
+    if lay.interpret:
+        p_scratch, *bars = rest
+    else:
+        p_scratch, bars = None, rest
+    q_smem, (o_smem2, lse_smem) = qo_union
+    if lay.fp8 and not lay.interpret:
+        stage, stage_f32, stage_bf16 = stage_union
+    else:
+        stage, stage_f32, stage_bf16 = stage_union, None, None
+    split = lax.axis_index("split")
+    cta = _Cta(lax.axis_index("hblk"), split, lax.axis_index("row"), split * lay.tiles,
+               q_ref, kv_ref, rows_ref, out_ref, lse_ref, q_smem, o_smem2, lse_smem, kv_tile,
+               stage, stage_f32, stage_bf16, idx_smem, p_scratch, _Bars(*bars))
+    wg = lax.axis_index("wg")
+    for w in range(2):
+        pl.when(wg == w)(functools.partial(_consume, lay, cta, w))
+    pl.when(wg == 2)(functools.partial(_produce, lay, cta))
+
+
+# ------------------------------------------------------------------------------ producer
+
+def _produce(lay: _Launch, cta: _Cta) -> None:
+    """Row ids of tile t + 1 go to SMEM while tile t's rows are copied; tile t's copies wait
+    until both consumers converted tile t - 1 out of the staging tile."""
+    plgpu.set_max_registers(lay.cfg.producer_registers, action="decrease")
+    bars = cta.bars
+    for t in range(min(2, lay.tiles)):
+        _copy_ids(cta, t, t)
+
+    def tile(t, c):
+        @pl.when(t > 0)
+        def _():
+            plgpu.barrier_wait(bars.empty)
+
+            @pl.when(t + 1 < lay.tiles)
+            def _():
+                _copy_ids(cta, t + 1, lax.rem(t + 1, 2))
+        slot = lax.rem(t, 2)
+        plgpu.barrier_wait(bars.idx.at[slot])
+        _copy_rows(lay, cta, slot)
+        return c
+    lax.fori_loop(0, lay.tiles, tile, None)
+    plgpu.barrier_wait(bars.empty)      # the last conversion: barrier phases balanced
+
+
+def _copy_ids(cta: _Cta, t, slot) -> None:
+    plgpu.copy_gmem_to_smem(cta.rows_ref.at[cta.row, cta.tile0 + t], cta.idx_smem.at[slot],
+                            cta.bars.idx.at[slot])
+
+
+def _copy_rows(lay: _Launch, cta: _Cta, slot) -> None:
+    """One (or, fp8 with `row_copies=2`, two) bulk copies per row of the tile into the
+    staging tile, `copy_unroll` rows per loop iteration."""
+    unroll = lay.cfg.copy_unroll
+    mode = plgpu.OOBFillMode.UNDEFINED     # the contiguous bulk copy (clamped at the end)
+
+    def copy(j):
+        ident = cta.idx_smem[slot, j]
+        src = jnp.maximum(ident, -1 - ident)   # masked -1 - r -> r, a selected row
+        full = cta.bars.full
+        if not lay.fp8:
+            plgpu.copy_gmem_to_smem(cta.kv_ref.at[src], cta.stage.at[j, pl.ds(0, _WIDTH)],
+                                    full, oob_mode=mode)
+            return
+        base = src * kvf.FP8_ROW_BYTES
+        if lay.cfg.row_copies == 1:
+            plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, _FP8_COPY)],
+                                    cta.stage.at[j, pl.ds(0, _FP8_COPY)], full, oob_mode=mode)
+            return
+        plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, 640)], cta.stage.at[j, pl.ds(0, 640)],
+                                full, oob_mode=mode)
+        plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base + kvf.ROPE_OFFSET, 128)],
+                                cta.stage.at[j, pl.ds(640, 128)], full, oob_mode=mode)
+
+    def group(i, c):
+        for u in range(unroll):
+            copy(i * unroll + u)
+        return c
+    lax.fori_loop(0, BKV // unroll, group, None)
+
+
+# ------------------------------------------------------------------------------ consumers
+
+def _consume(lay: _Launch, cta: _Cta, w: int) -> None:
+    """Consumer w: per tile, convert its part of the staging tile, then S, softmax, P V_w."""
+    plgpu.set_max_registers(lay.cfg.compute_registers, action="increase")
+    bars = cta.bars
+
+    @pl.when(w == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(cta.q_ref.at[cta.row, pl.ds(cta.hblk * BLOCK_H, BLOCK_H)],
+                                cta.q_smem, bars.q)
+    plgpu.barrier_wait(bars.q)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), M_INIT, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.full((BLOCK_H, _V_HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def tile(t, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(t, 2)
+        plgpu.barrier_wait(bars.idx.at[slot])
+        plgpu.barrier_wait(bars.full)
+        ids = plgpu.load(cta.idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        bias = jnp.where(ids >= 0, 0.0, -jnp.inf).astype(jnp.float32)
+
+        @pl.when(t > 0)
+        def _():
+            plgpu.barrier_wait(bars.qk)        # the other consumer's Q K^T of tile t - 1
+        # A warpgroup barrier (and proxy fence): every warp of this warpgroup is past its
+        # wait for P V of tile t - 1 before any overwrites the columns that P V read.
+        plgpu.commit_smem()
+        _convert(lay, cta, w)
+        plgpu.commit_smem()                    # generic-proxy writes -> wgmma (async proxy)
+        plgpu.barrier_arrive(bars.empty)
+        plgpu.barrier_arrive(bars.conv)
+        plgpu.barrier_wait(bars.conv)
+        s = _scores(lay, cta, bias)
+        plgpu.barrier_arrive(bars.qk)
+        p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc)
+        acc = _accumulate_pv(lay, cta, w, p, acc)
+        return acc, m_new, l_i
+
+    acc, m_i, l_i = lax.fori_loop(0, lay.tiles, tile, (acc, m_i, l_i))
+    plgpu.barrier_wait(bars.qk)                # the last Q K^T: barrier phases balanced
+    _write_output(cta, w, acc, m_i, l_i)
+
+
+def _load(lay: _Launch, ref, layout=None):
+    return plgpu.load(ref, layout=layout or plgpu.Layout.WGMMA,
+                      optimized=lay.cfg.optimized_loads)
+
+
+def _convert(lay: _Launch, cta: _Cta, w: int) -> None:
+    """Consumer w's columns of the KV tile from the staging tile: latent columns
+    [256 w, 256 w + 256) (4 chunks of 64) and, for w = 0, the 64 rope columns."""
+    chunks = range(4 * w, 4 * w + 4)
+    if not lay.fp8:
+        for c in [*chunks, *([8] if w == 0 else [])]:
+            cta.kv_tile[:, pl.ds(c * _CHUNK, _CHUNK)] = _load(
+                lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)])
+        return
+    scales = _fp8_scales(lay, cta, (2 * w, 2 * w + 1))
+    for c in chunks:
+        raw = _load(lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)])       # uint8 [64, 64]
+        x = lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
+        x = x.astype(jnp.float16).astype(jnp.float32)                      # exact
+        x = x * lax.broadcast_in_dim(scales[c // 2 - 2 * w], x.shape, [0])
+        cta.kv_tile[:, pl.ds(c * _CHUNK, _CHUNK)] = x.astype(jnp.bfloat16)
+    if w == 0:
+        cta.kv_tile[:, pl.ds(_V, _CHUNK)] = _fp8_rope(lay, cta)
+
+
+def _fp8_scales(lay: _Launch, cta: _Cta, groups) -> list:
+    """The float32 scales of `groups` of the tile's 64 rows, each [64] in the WGMMA row
+    layout."""
+    if lay.interpret:
+        b = _load(lay, cta.stage.at[:, pl.ds(kvf.SCALE_OFFSET, 16)]).astype(jnp.uint32)
+        return [lax.bitcast_convert_type(b[:, 4 * g] | (b[:, 4 * g + 1] << 8)
+                                         | (b[:, 4 * g + 2] << 16) | (b[:, 4 * g + 3] << 24),
+                                         jnp.float32) for g in groups]
+    words = _load(lay, cta.stage_f32.at[:, pl.ds(kvf.SCALE_OFFSET // 4, 8)])   # [64, 8] f32
+    col = plgpu.broadcasted_iota(jnp.int32, words.shape, 1, layout=plgpu.Layout.WGMMA)
+    # The 4 other words of the slice are rope bytes read as float32 (maybe NaN): `where`
+    # keeps them out of the sums.
+    return [jnp.sum(jnp.where(col == g, words, 0.0), axis=1) for g in groups]
+
+
+def _fp8_rope(lay: _Launch, cta: _Cta):
+    """The tile's 64 rope values per row, bfloat16 [64, 64] in the WGMMA layout."""
+    at = _ROPE_AT[lay.cfg.row_copies]
+    if lay.interpret:
+        b = _load(lay, cta.stage.at[:, pl.ds(at, 2 * kvf.ROPE_DIM)])
+        return lax.bitcast_convert_type(b.reshape(BKV, kvf.ROPE_DIM, 2), jnp.bfloat16)
+    return _load(lay, cta.stage_bf16.at[:, pl.ds(at // 2, kvf.ROPE_DIM)])
+
+
+def _scores(lay: _Launch, cta: _Cta, bias):
+    """S = scale2 * Q K^T of the KV tile ([64, 64] fp32, all 576 columns), -inf where the
+    row id is < 0 (`bias`)."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, cta.q_smem, cta.kv_tile.transpose((1, 0)))
+        return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BKV), jnp.float32))
+    return s * lay.scale2 + lax.broadcast_in_dim(bias, s.shape, [1])
+
+
+def _accumulate_pv(lay: _Launch, cta: _Cta, w: int, p, acc):
+    """acc + P V_w: P [64, 64] in bf16 times value columns [256 w, 256 w + 256)."""
+    v_ref = cta.kv_tile.at[:, pl.ds(w * _V_HALF, _V_HALF)]
+    p16 = p.astype(jnp.bfloat16)
+    if lay.interpret:
+        p_smem = cta.p_scratch.at[w]
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def pv_fresh(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_ref)
+            return acc_ref[...]
+        return acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_H, _V_HALF), jnp.float32))
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_ref)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+def _write_output(cta: _Cta, w: int, acc, m_i, l_i) -> None:
+    """Consumer w's normalised output columns (and from consumer 0 the base-2 lse) to GMEM
+    through the SMEM that held Q."""
+    plgpu.barrier_arrive(cta.bars.done)
+    plgpu.barrier_wait(cta.bars.done)
+    inv_l = 1.0 / jnp.maximum(l_i, 1e-30)     # all-masked: acc = 0, l = 0 -> out 0
+    o_smem = cta.o_smem2.at[w]
+    o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
+    if w == 0:
+        cta.lse_smem[...] = m_i + jnp.log2(l_i)
+    plgpu.commit_smem()
+    heads = pl.ds(cta.hblk * BLOCK_H, BLOCK_H)
+    plgpu.copy_smem_to_gmem(o_smem, cta.out_ref.at[cta.row, cta.split, heads,
+                                                   pl.ds(w * _V_HALF, _V_HALF)])
+    if w == 0:
+        plgpu.copy_smem_to_gmem(cta.lse_smem, cta.lse_ref.at[cta.row, cta.split, heads])
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ------------------------------------------------------------------------------ launch
+
+def _scratch_types(lay: _Launch) -> list:
+    """The kernel's SMEM scratch and barriers, in `_body`'s order."""
+    tiled = (plgpu.TilingTransform((8, _CHUNK)), plgpu.SwizzleTransform(128))
+    if lay.fp8:
+        stage = plgpu.SMEM((BKV, lay.pitch), jnp.uint8)
+        if not lay.interpret:
+            stage = plgpu.RefUnion(stage, plgpu.SMEM((BKV, lay.pitch // 4), jnp.float32),
+                                   plgpu.SMEM((BKV, lay.pitch // 2), jnp.bfloat16))
+    else:
+        stage = plgpu.SMEM((BKV, lay.pitch // 2), jnp.bfloat16)
+    scratch = [
+        plgpu.RefUnion(plgpu.SMEM((BLOCK_H, _WIDTH), jnp.bfloat16, transforms=tiled),   # Q,
+                       (plgpu.SMEM((2, BLOCK_H, _V_HALF), jnp.bfloat16, transforms=tiled),
+                        plgpu.SMEM((BLOCK_H,), jnp.float32))),                  # then O, lse
+        plgpu.SMEM((BKV, _WIDTH), jnp.bfloat16, transforms=tiled),              # KV tile
+        stage,
+        plgpu.SMEM((2, BKV), jnp.int32),                                         # row ids
+    ]
+    if lay.interpret:
+        scratch.append(plgpu.SMEM((2, BLOCK_H, BKV), jnp.bfloat16, transforms=tiled))   # P
+    scratch += [
+        plgpu.Barrier(),                                         # q
+        plgpu.Barrier(num_barriers=2),                           # idx
+        plgpu.Barrier(num_arrivals=BKV * (lay.cfg.row_copies if lay.fp8 else 1)),  # full
+        plgpu.Barrier(num_arrivals=2),                           # empty
+        plgpu.Barrier(num_arrivals=2),                           # conv
+        plgpu.Barrier(num_arrivals=2),                           # qk
+        plgpu.Barrier(num_arrivals=2),                           # done
+    ]
+    return scratch
+
+
+def smem_bytes(kv_format: str) -> int:
+    """Shared memory of one CTA (each buffer rounded up to Pallas' 1 KiB alignment), the
+    barriers aside: checked against the 227 KiB of a Hopper SM at trace time."""
+    pitch = _FP8_PITCH if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
+    kib = lambda n: -(-n // 1024) * 1024      # noqa: E731
+    return (kib(BLOCK_H * _WIDTH * 2) + kib(BKV * _WIDTH * 2) + kib(BKV * pitch)
+            + kib(2 * BKV * 4))
+
+
+def _kernel_call(q, kv, rows3, *, fmt: str, scale2: float, num_splits: int, cfg: RowTuning,
+                 interpret: bool):
+    """q [T, Hp, 576] bf16 (Hp % 64 == 0); kv: flat uint8 [R * 656 (+ 112)] (fp8) or
+    bfloat16 [R, 576]; rows3 int32 [T, n_tiles, 64] (masked entries redirected).
+
+    Returns out [T, S, Hp, 512] bf16 (normalised within each split) and lse2 [T, S, Hp]
+    float32 (base-2 log-sum-exp of scale2 * q.k)."""
+    num_rows, h_pad, _ = q.shape
+    num_tiles = rows3.shape[1]
+    need = smem_bytes(fmt)
+    if need > _SMEM_BYTES:
+        raise ValueError(f"the row-copy kernel needs {need} B of shared memory; the limit is "
+                         f"{_SMEM_BYTES}")
+    pitch = _FP8_PITCH if fmt == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
+    lay = _Launch(tiles=num_tiles // num_splits, fmt=fmt, pitch=pitch, scale2=scale2, cfg=cfg,
+                  interpret=interpret)
+
+    def sparse_mla_decode_rows(*refs):   # plgpu.kernel names the kernel after its function
+        _body(lay, *refs)
+
+    out_type = (jax.ShapeDtypeStruct((num_rows, num_splits, h_pad, _V), jnp.bfloat16),
+                jax.ShapeDtypeStruct((num_rows, num_splits, h_pad), jnp.float32))
+    kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    kernel = plgpu.kernel(
+        sparse_mla_decode_rows,
+        out_type=out_type,
+        scratch_types=_scratch_types(lay),
+        grid=(h_pad // BLOCK_H, num_splits, num_rows),
+        grid_names=("hblk", "split", "row"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
+            unsafe_no_auto_barriers=not cfg.auto_barriers, reduction_scratch_bytes=0),
+        **kwargs,
+    )
+    return kernel(q, kv, rows3)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_width", "kv_format", "interpret",
+                                             "tuning"))
+def sparse_mla_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Array, *,
+                      sm_scale: float, v_width: int = 512, kv_format: str = kvf.BF16,
+                      interpret: bool = False, tuning: RowTuning | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Kernel entry on validated inputs: q [T, h_q, 576] bf16, kv_rows [R, 576] bf16 or uint8
+    [R, 656] (kv_format "fp8_ds_mla"), attention_rows int32 [T, K] (-1 = masked).
+
+    Returns out [T, h_q, 512] bf16 and lse float32 [T, h_q] (natural log).
+    Raises ValueError with `supports`' reason for inputs it cannot run.
+    """
+    cfg = tuning or DEFAULT
+    reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format, interpret=interpret)
+    if reason is not None:
+        raise ValueError(reason)
+    fmt = kvf.check_kv_format(kv_format)
+    num_rows, h_q, _ = q.shape
+    h_pad = pl.cdiv(h_q, BLOCK_H) * BLOCK_H
+    num_tiles = pl.cdiv(attention_rows.shape[1], BKV)
+    splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
+    q_pad, rows = pad_operands(q, attention_rows, h_pad, num_tiles * BKV)
+    rows3 = redirect_masked(rows).reshape(num_rows, num_tiles, BKV)
+    kv = kv_rows
+    if fmt == kvf.FP8_DS_MLA:
+        kv = kv_rows.reshape(-1)
+        if interpret:   # the interpreter does not clamp the last row's over-reading copy
+            kv = jnp.pad(kv, (0, _FP8_COPY - kvf.FP8_ROW_BYTES))
+    out, lse2 = _kernel_call(q_pad, kv, rows3, fmt=fmt, scale2=float(sm_scale) * LOG2E,
+                             num_splits=splits, cfg=cfg, interpret=interpret)
+    out, lse = merge_splits(out, lse2, h_q, q.dtype)
+    any_valid = jnp.any(attention_rows >= 0, axis=1)
+    out = jnp.where(any_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(any_valid[:, None], lse, -jnp.inf)
+    return out, lse

@@ -85,15 +85,25 @@ def _fp8_args():
             jax.ShapeDtypeStruct((64, 656), jnp.uint8), jax.ShapeDtypeStruct((2, 8), jnp.int32))
 
 
-def test_fp8_rows_run_on_reference_and_triton_only():
-    """kv_format reaches every backend's supports(): fp8_ds_mla rows on the reference and the
-    Triton kernel; the Mosaic GPU kernel refuses them with its reason (or, where this jax
-    cannot import it, that reason); None picks the Triton kernel on a GPU."""
+def test_fp8_rows_run_on_every_backend_that_supports_them():
+    """kv_format reaches every backend's supports(): fp8_ds_mla rows on the reference, the
+    Triton kernel and the Mosaic GPU row-copy kernel (where this jax has Mosaic GPU: on the
+    GPU or in its interpret mode; elsewhere refused with that reason), which refuses what it
+    cannot run with its reason (v_width other than 512); None picks the Triton kernel on a
+    GPU."""
     kw = {"kv_format": "fp8_ds_mla"}
     assert _registry.select("sparse_mla_decode", "reference", *_fp8_args(), **kw) == "reference"
     assert _registry.select("sparse_mla_decode", "triton", *_fp8_args(), **kw) == "triton"
-    with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run these inputs"):
-        _registry.select("sparse_mla_decode", "mosaic_gpu", *_fp8_args(), **kw)
+    if ON_GPU or _compat.mosaic_gpu_interpret_available():
+        assert _registry.select("sparse_mla_decode", "mosaic_gpu", *_fp8_args(),
+                                **kw) == "mosaic_gpu"
+    else:
+        with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run these inputs.*"
+                                             "interpret mode"):
+            _registry.select("sparse_mla_decode", "mosaic_gpu", *_fp8_args(), **kw)
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run these inputs.*"
+                                         "v_width 512"):
+        _registry.select("sparse_mla_decode", "mosaic_gpu", *_fp8_args(), v_width=256, **kw)
     want = "triton" if ON_GPU else "reference"
     assert _registry.select("sparse_mla_decode", None, *_fp8_args(), **kw) == want
     f16 = (jax.ShapeDtypeStruct((2, 16, 576), jnp.float16), *_fp8_args()[1:])

@@ -14,6 +14,9 @@
   grouped_matmul.py           the MoE's grouped matmul at DeepSeek-V3.2 decode shapes: every
                               backend, Triton variants, XLA's ragged-dot fusion flag, the
                               weight-read floor (not in `python3 -m bench.ops`: gpu_suite step)
+  validate_cost.py            the ops' default value checks (`validate=None`) against
+                              validate=False, at engine-like sizes (only with
+                              `python3 -m bench.ops --validate-cost`)
 
 Run one: `PYTHONPATH=. python3 -m bench.ops.<op>`; all within a time budget:
 `PYTHONPATH=. python3 -m bench.ops [--budget S] [op ...]`. Each writes

@@ -68,8 +68,9 @@ class Run:
     the run goes on) and rewrites the result file; `finish` prints the table and the
     `BEST_TUNING <op> <repr>` lines of the sweeps."""
 
-    def __init__(self, name: str, *, sweep_budget_s: float):
+    def __init__(self, name: str, *, sweep_budget_s: float, path: Any = None):
         self.name = name + ("_smoke" if SMALL else "")
+        self.path = path                                # None: bench/results/<name>-<backend>
         self.results: dict[str, Any] = {}
         self.table: list[str] = []
         self.best: dict[str, Any] = {}                  # op -> best tuning found by a sweep
@@ -88,7 +89,7 @@ class Run:
     def write(self):
         self.results["best_tunings"] = {op: repr(t) for op, t in self.best.items()}
         self.results["total_seconds"] = round(self.elapsed(), 1)
-        return write_result(self.name, {"figures": self.results})
+        return write_result(self.name, {"figures": self.results}, path=self.path)
 
     def record(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
         t0 = time.perf_counter()

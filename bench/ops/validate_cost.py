@@ -15,7 +15,9 @@ at N=64, K=2048, 576-wide bf16 rows, 128 heads on a GPU, 16 off it):
   * jit: the op inside a jitted function, default (checkify debug checks, which make the
     function dispatch through jax's Python path) vs validate=False;
   * checkified (not sparse_mla_decode: it has no traced check): the jitted default under
-    `checkify.checkify`, the device cost of the checks when asked for.
+    `checkify.checkify`, the device cost of the checks when asked for;
+  * debug_check_dispatch: a tiny jitted function with and without one debug check (the
+    fixed dispatch cost of the effect, what "jit" adds per call whatever the op).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from jax.experimental import checkify
 
 import hisparse_jax as hj
-from bench._common import HelpFormatter, time_fn, write_result
+from bench._common import HelpFormatter, time_fn
 from bench.ops import BLOCK, INTERPRET, SMALL, WIDTH, Run, rand_bf16, sharding
 from hisparse_jax.ops import _values
 
@@ -147,15 +149,27 @@ def bench_attention(rng, num_blocks: int) -> dict[str, Any]:
     return out
 
 
+def bench_dispatch() -> dict[str, Any]:
+    """The fixed cost of a debug check in a jitted function (its effect sends the call
+    through jax's Python dispatch path): a tiny function with and without one."""
+    x = jnp.arange(8, dtype=jnp.int32)
+
+    def body(x, check):
+        if check:
+            checkify.debug_check(jnp.all(x >= 0), "x must be >= 0")
+        return x + 1
+    checked = jax.jit(functools.partial(body, check=True))
+    plain = jax.jit(functools.partial(body, check=False))
+    return {"jit": _pair(lambda: checked(x), lambda: plain(x), 200)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--out", type=Path, default=None,
                    help="result file (default: bench/results/validate_cost-<backend>.json)")
     args = p.parse_args(argv)
-    run = Run("validate_cost", sweep_budget_s=0.0)
-    if args.out is not None:
-        run.write = lambda: write_result(run.name, {"figures": run.results}, path=args.out)
+    run = Run("validate_cost", sweep_budget_s=0.0, path=args.out)
     rng = np.random.default_rng(0)
     warm, drift, kw, num_blocks = resolve_inputs(rng)
     res, _ = hj.resolve_residency(warm, drift, validate=False, **kw)
@@ -163,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     run.record("resolve_residency", lambda: bench_resolve(warm, drift, kw))
     run.record("copies", lambda: bench_copies(rng, plan, num_blocks))
     run.record("sparse_mla_decode", lambda: bench_attention(rng, num_blocks))
+    run.record("debug_check_dispatch", bench_dispatch)
     for name, fig in run.results.items():
-        for key, val in fig.items():
+        for key, val in (fig.items() if isinstance(fig, dict) else ()):
             if isinstance(val, dict) and "cost_us" in val:
                 run.table.append(f"{name:18s} {key:18s} default {val['default_us']:9.1f} us, "
                                  f"validate=False {val['validate_false_us']:9.1f} us, cost "

@@ -95,10 +95,13 @@ def resolve_host(state, topk, state_rows, hot_block_table, source_block_table, b
     block = np.take_along_axis(src, np.clip(page, 0, src.shape[1] - 1), axis=1)
     host = np.where(in_table & (block > 0), block * block_size + positions % block_size, -1)
     host = np.where(host < host_rows, host, -1)
+    if host_rows <= np.iinfo(np.int32).max:
+        host = host.astype(np.int32)                 # sorts twice as fast as int64
     live = rows >= 0
     dup_rows = _duplicates(host)[1].any(axis=1)
-    lru = np.asarray(state.lru)[np.where(live, rows, 0)].astype(np.int64)
-    bad_lru = (np.sort(lru, axis=1) != np.arange(hot)).any(axis=1)
+    lru = np.asarray(state.lru)[np.where(live, rows, 0)]
+    # int16 (the state's dtype): numpy's stable sort of 16-bit ints is a radix sort.
+    bad_lru = (np.sort(lru, axis=1, kind="stable") != np.arange(hot)).any(axis=1)
     null_hot = (hot_table <= 0).any(axis=1)
     bad = np.flatnonzero(live & (dup_rows | bad_lru | null_hot))
     if bad.size:
@@ -226,11 +229,10 @@ def plan_host(swap_src, swap_dst, swap_counts, num_cache_rows: int) -> None:
     counts = np.asarray(swap_counts)
     live = ((np.arange(src.shape[1])[None, :] < counts[:, None]) & (src >= 0) & (dst >= 0)
             & (dst < num_cache_rows))
-    flat = np.where(live, dst, -1).reshape(-1)
-    srt, dup = _duplicates(flat)
+    srt, dup = _duplicates(dst[live])                   # only the live entries: few
     if dup.any():
         row = int(srt[np.argmax(dup)])
-        n, m = np.divmod(np.flatnonzero(flat == row)[:2], src.shape[1])
+        n, m = np.divmod(np.flatnonzero((dst == row) & live)[:2], src.shape[1])
         raise ValueError(f"swap_dst[{n[0]}, {m[0]}] and swap_dst[{n[1]}, {m[1]}] both write "
                          f"device row {row}; the live entries of a swap plan (m < "
                          f"swap_counts[n], swap_src >= 0, swap_dst in [0, {num_cache_rows})) "
@@ -253,11 +255,10 @@ def mirror_host(device_rows, host_rows, num_cache_rows: int, num_pool_rows: int)
     host rows. ValueError naming two entries."""
     dev, host = np.asarray(device_rows), np.asarray(host_rows)
     keep = (dev >= 0) & (dev < num_cache_rows) & (host >= 0) & (host < num_pool_rows)
-    flat = np.where(keep, host, -1)
-    srt, dup = _duplicates(flat)
+    srt, dup = _duplicates(host[keep])
     if dup.any():
         row = int(srt[np.argmax(dup)])
-        i, j = np.flatnonzero(flat == row)[:2]
+        i, j = np.flatnonzero((host == row) & keep)[:2]
         raise ValueError(f"host_rows[{i}] and host_rows[{j}] both write host row {row}; the "
                          f"kept entries (device_rows in [0, {num_cache_rows}), host_rows in "
                          f"[0, {num_pool_rows})) must have distinct destinations")

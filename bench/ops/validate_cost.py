@@ -118,7 +118,7 @@ def bench_copies(rng, plan, num_blocks: int) -> dict[str, Any]:
                                                 validate=validate)
         return caches[0]
     out["gather_eager"] = _pair(lambda: gather(None), lambda: gather(False), 10)
-    pages = 16
+    pages = min(16, num_blocks, host_rows // BLOCK)
     dev = jnp.asarray((rng.permutation(num_blocks)[:pages, None] * BLOCK
                        + np.arange(BLOCK)).reshape(-1).astype(np.int32))
     host = jnp.asarray((rng.permutation(host_rows // BLOCK)[:pages, None] * BLOCK

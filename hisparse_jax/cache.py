@@ -485,7 +485,8 @@ class HiSparseKVCache:
         out, lse, copied = sparse_mla_decode_with_copies(
             q, self.caches[layer], attention_rows,
             self.group_pools(group, batch),
-            self.caches[layers], *pending.plan, copy_programs=self.copy_programs or 32, **kw)
+            self.caches[layers], *pending.plan, copy_programs=self.copy_programs or 32,
+            validate=False, **kw)
         return (self._with_group_caches(group, copied), out, lse,
                 dataclasses.replace(pending, plan=None))
 
@@ -502,7 +503,7 @@ class HiSparseKVCache:
         copied = gather_compact_group(
             self.group_pools(group, batch),
             self.caches[self.group_slice(group)], *plan, backend=self.ops_backend,
-            copy_programs=self.copy_programs)
+            copy_programs=self.copy_programs, validate=False)
         return self._with_group_caches(group, copied)
 
     def _resolve_and_gather(self, group: int, hot: HotState, topk: jax.Array,
@@ -512,7 +513,7 @@ class HiSparseKVCache:
             hot, topk, state_rows=batch.state_rows, hot_block_table=batch.hot,
             source_block_table=batch.src, resident_block_table=batch.res,
             block_size=self.block_size, host_rows=self.host_rows, backend=self.ops_backend,
-            query_rows_per_request=batch.rows_per_request)
+            query_rows_per_request=batch.rows_per_request, validate=False)
         found = Lookup(resolution.attention_rows, resolution.num_hits, resolution.swap_counts)
         plan = (resolution.swap_src, resolution.swap_dst, resolution.swap_counts)
         if ahead and self.copy_with_attention:  # the copies wait for `attend` or `land`

@@ -14,6 +14,9 @@
   grouped_matmul.py           the MoE's grouped matmul at DeepSeek-V3.2 decode shapes: every
                               backend, Triton variants, XLA's ragged-dot fusion flag, the
                               weight-read floor (not in `python3 -m bench.ops`: gpu_suite step)
+  validate_cost.py            the ops' default value checks (`validate=None`) against
+                              validate=False, at engine-like sizes (only with
+                              `python3 -m bench.ops --validate-cost`)
 
 Run one: `PYTHONPATH=. python3 -m bench.ops.<op>`; all within a time budget:
 `PYTHONPATH=. python3 -m bench.ops [--budget S] [op ...]`. Each writes
@@ -65,8 +68,9 @@ class Run:
     the run goes on) and rewrites the result file; `finish` prints the table and the
     `BEST_TUNING <op> <repr>` lines of the sweeps."""
 
-    def __init__(self, name: str, *, sweep_budget_s: float):
+    def __init__(self, name: str, *, sweep_budget_s: float, path: Any = None):
         self.name = name + ("_smoke" if SMALL else "")
+        self.path = path                                # None: bench/results/<name>-<backend>
         self.results: dict[str, Any] = {}
         self.table: list[str] = []
         self.best: dict[str, Any] = {}                  # op -> best tuning found by a sweep
@@ -85,7 +89,7 @@ class Run:
     def write(self):
         self.results["best_tunings"] = {op: repr(t) for op, t in self.best.items()}
         self.results["total_seconds"] = round(self.elapsed(), 1)
-        return write_result(self.name, {"figures": self.results})
+        return write_result(self.name, {"figures": self.results}, path=self.path)
 
     def record(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
         t0 = time.perf_counter()

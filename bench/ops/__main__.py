@@ -1,6 +1,7 @@
 """Runs every op benchmark (or the named ones) within a time budget, one process each.
 
   PYTHONPATH=. python3 -m bench.ops [--budget SECONDS] [op ...]
+  PYTHONPATH=. python3 -m bench.ops --validate-cost       (the default value checks' cost)
 
 Each op's module runs as `python3 -m bench.ops.<op>` with a time limit of its share of what
 is left of the budget (at most its `LIMITS` entry), passed to it as HISPARSE_BENCH_LIMIT_S
@@ -27,6 +28,8 @@ LIMITS = {
     "sparse_mla_decode": 240,      # bf16 and fp8_ds_mla rows
     "copies_beside_attention": 120,  # 16 GiB of pinned pools
 }
+# Run only when asked (`--validate-cost`), not with the others.
+EXTRA_LIMITS = {"validate_cost": 300}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ops", nargs="*", help=f"ops to benchmark (default: all of "
                                           f"{', '.join(LIMITS)})")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all of them")
+    p.add_argument("--validate-cost", action="store_true",
+                   help="run only `bench.ops.validate_cost`: the ops' default value checks "
+                        "against validate=False")
     args = p.parse_args(argv)
-    ops = args.ops or list(LIMITS)
-    unknown = sorted(set(ops) - set(LIMITS))
+    if args.validate_cost and args.ops:
+        p.error("--validate-cost runs alone; name no ops")
+    ops = ["validate_cost"] if args.validate_cost else args.ops or list(LIMITS)
+    limits = {**LIMITS, **EXTRA_LIMITS}
+    unknown = sorted(set(ops) - set(limits))
     if unknown:
         p.error(f"unknown ops {unknown}; the ops are {list(LIMITS)}")
     t_start = time.monotonic()
@@ -47,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             summary.append(f"{op}: skipped (budget spent)")
             failed = True
             continue
-        share = sum(LIMITS[o] for o in ops[i:])
-        limit = min(LIMITS[op], left * LIMITS[op] / share if share > left else LIMITS[op])
+        share = sum(limits[o] for o in ops[i:])
+        limit = min(limits[op], left * limits[op] / share if share > left else limits[op])
         t0 = time.monotonic()
         print(f"=== bench.ops.{op} (limit {limit:.0f} s)", flush=True)
         try:

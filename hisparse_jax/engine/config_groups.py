@@ -138,7 +138,10 @@ class PrefillPolicy:
         with the other requests' decode (the model's `prefill_chunk`); a request samples its
         first token after its last chunk, and its pages stay resident until then
         (`docs/semantics.md`, chunked prefill). Needs the indexer (`EngineConfig.topk_source`
-        None): a chunk selects over the earlier chunks' index keys.
+        None): a chunk selects over the earlier chunks' index keys. The rows, index keys and
+        logits equal the one-shot prefill's up to rounding, not bitwise (the chunk's matrix
+        products sum in another order: float32 values differ in the last bits, bf16 rows
+        may round one step apart), so greedy tokens may differ at a near-tie.
       max_tokens_per_step: None (default: no limit) or an int >= 1: prompt tokens prefilled
         per step, at most, over every request (needs chunk_size): chunks of requests already
         prefilling come first, then admissions, each chunk cut to what the budget leaves.

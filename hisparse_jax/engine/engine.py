@@ -145,11 +145,13 @@ def residency_parts(cfg: HiSparseConfig, ec: EngineConfig, host_pool: Any, *,
                          f"/ num_host_blocks={cfg.num_host_blocks} refused by the "
                          f"host tier: {e}") from e
     backend = ec.tuning.ops_backend
-    groups = ({"mirror_group_fn": functools.partial(mirror_rows_group, backend=backend)}
+    # The host tier's row lists are valid by construction: no value check (a host sync).
+    copy = {"backend": backend, "validate": False}
+    groups = ({"mirror_group_fn": functools.partial(mirror_rows_group, **copy)}
               if mirror_groups else {})
     transfers = TransferEngine(
-        host_pool, mirror_fn=functools.partial(mirror_rows, backend=backend),
-        restore_fn=functools.partial(restore_rows, backend=backend), **groups)
+        host_pool, mirror_fn=functools.partial(mirror_rows, **copy),
+        restore_fn=functools.partial(restore_rows, **copy), **groups)
     return manager, transfers
 
 

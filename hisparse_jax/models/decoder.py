@@ -231,7 +231,9 @@ class SparseDecoder(nnx.Module):
         consecutive positions. The rows read are the stored ones, earlier chunks' and this
         chunk's alike (this chunk's rows equal `HiSparseKVCache.encode` of its values, what
         `prefill` reads), so a prompt prefilled chunk by chunk reads the values the one-shot
-        `prefill` reads. Padding rows write and select nothing. Returns (logits float32[V] of
+        `prefill` reads, up to rounding: the chunk's matrix products and row reductions run
+        over its T rows, and their summation order depends on that shape (`docs/semantics.md`,
+        chunked prefill). Padding rows write and select nothing. Returns (logits float32[V] of
         the last real token, new cache, aux with "attention" [L, h, kv_lora] of the last token
         when collected).
 

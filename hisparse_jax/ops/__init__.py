@@ -16,12 +16,15 @@
                                    MoE's token-expert pairs times their experts (`moe.py`)
 
 Every op validates its arguments before any work (ValueError / TypeError naming the argument
-and the rule) and takes `backend=`: one of `BACKENDS` ("reference", "triton", "mosaic_gpu")
-or None (the best backend that supports the inputs on a GPU, else "reference"); the rules are
-in `_registry.py`. Semantics of the hot-region ops: `docs/semantics.md`; of the prefill
-staging copy: `docs/prefill_staging.md`. KV rows come in two formats (`KV_FORMATS`,
-`pallas_kernels/kv_format.py`, `docs/kv_format.md`): the copies move either as rows of any
-dtype (fp8_ds_mla rows are uint8[656]); `sparse_mla_decode` takes `kv_format=`.
+and the rule); the index-taking ops check their index values as `validate=` says (default:
+on the host for concrete arrays, checkify-able under jit, `sparse_mla_decode` masking rows
+past the cache: `docs/semantics.md`, value checks), and every op takes `backend=`: one of
+`BACKENDS` ("reference", "triton", "mosaic_gpu") or None (the best backend that supports the
+inputs on a GPU, else "reference"); the rules are in `_registry.py`. Semantics of the
+hot-region ops: `docs/semantics.md`; of the prefill staging copy: `docs/prefill_staging.md`.
+KV rows come in two formats (`KV_FORMATS`, `pallas_kernels/kv_format.py`,
+`docs/kv_format.md`): the copies move either as rows of any dtype (fp8_ds_mla rows are
+uint8[656]); `sparse_mla_decode` takes `kv_format=`.
 """
 
 from hisparse_jax.ops._registry import BACKENDS, registered_backends

@@ -2,8 +2,9 @@
 
 Every op validates all its arguments before any work runs and raises a ValueError (or a
 TypeError for a wrong type or dtype) whose message names the argument and the rule.
-Concrete index arrays are checked for values where the rule is about values (state rows);
-traced ones only for shape and dtype.
+Concrete index arrays are checked for values here where the rule is cheap and about state
+rows; traced ones only for shape and dtype. The value rules of the index arrays (which rows
+they name) are `_values`', run as each op's `validate=` says.
 """
 
 from __future__ import annotations
@@ -149,106 +150,6 @@ def validate_resolve(state, topk, state_rows, hot_block_table, source_block_tabl
             raise ValueError("state_rows must not repeat a state row within one batch"
                              + (f" (except within a request's query_rows_per_request={r} "
                                 "adjacent rows)" if r > 1 else ""))
-
-
-def validate_resolve_values(state, topk, state_rows, hot_block_table, source_block_table,
-                            block_size, host_rows, resident_block_table=None,
-                            query_rows_per_request: int = 1) -> None:
-    """The value rules of `resolve_residency` that cost a device -> host copy (its opt-in
-    `validate=True`), for the live batch rows (state_rows[n] >= 0) only; run after
-    `validate_resolve`. Needs concrete arrays.
-
-    * topk: the valid host rows of a row are unique (`docs/semantics.md`: a duplicate would
-      ask for two slots holding one row); with r = query_rows_per_request > 1, distinct
-      positions of one request (its r rows together) have distinct host rows;
-    * r > 1: the r rows of a request carry the same source, resident and hot table rows;
-    * state.lru: the row of each live state row is a permutation of 0 .. H-1;
-    * hot_block_table: the first ceil(H / B) block ids of a live row are > 0 (the blocks
-      its hot slots live in; 0 is the null block).
-    Raises ValueError naming the argument, the batch row and the rule.
-    """
-    named = (("state.slot_rows", state.slot_rows), ("state.lru", state.lru), ("topk", topk),
-             ("state_rows", state_rows), ("hot_block_table", hot_block_table),
-             ("source_block_table", source_block_table),
-             ("resident_block_table", resident_block_table))
-    for name, x in named:
-        if x is not None and not is_concrete(x):
-            raise ValueError(f"resolve_residency(validate=True) checks values and needs "
-                             f"concrete arrays, but {name} is traced; call it outside "
-                             f"jax.jit, or leave validate=False")
-    hot = state.lru.shape[1]
-    r = query_rows_per_request
-    rows = np.asarray(state_rows)
-    positions = np.asarray(topk).astype(np.int64)
-    lru = np.asarray(state.lru)
-    hot_table = np.asarray(hot_block_table)[:, :cdiv(hot, block_size)]
-    src = np.asarray(source_block_table).astype(np.int64)
-    if r > 1:
-        tables = (("source_block_table", src), ("hot_block_table", hot_table))
-        if resident_block_table is not None:
-            tables += (("resident_block_table", np.asarray(resident_block_table)),)
-        _check_same_within_requests(rows, r, tables)
-        # Each request's rows through its first row's tables, its positions deduplicated.
-        positions = positions.reshape(-1, r * positions.shape[1])
-        positions = np.stack([np.where(_first_seen(p), p, -1) for p in positions])
-        src, hot_table, rows = src[::r], hot_table[::r], rows[::r]
-    # Host row of every column (the flat-row rule of docs/semantics.md), -1 where none.
-    page = np.where(positions >= 0, positions // block_size, -1)
-    in_table = (page >= 0) & (page < src.shape[1])
-    block = np.take_along_axis(src, np.clip(page, 0, src.shape[1] - 1), axis=1)
-    host = np.where(in_table & (block > 0), block * block_size + positions % block_size, -1)
-    host = np.where(host < host_rows, host, -1)
-    want_lru = np.arange(hot)
-    for n in np.flatnonzero(rows >= 0):
-        s = int(rows[n])
-        g = host[n][host[n] >= 0]
-        values, counts = np.unique(g, return_counts=True)
-        if (counts > 1).any():
-            dup = int(values[counts > 1][0])
-            cols = np.flatnonzero(host[n] == dup).tolist()
-            if r > 1:
-                k = topk.shape[1]
-                where = [f"topk[{n * r + c // k}, {c % k}]" for c in cols]
-                raise ValueError(f"topk rows {n * r}..{n * r + r - 1} (one request): "
-                                 f"{', '.join(where)} select distinct positions with the same "
-                                 f"host row {dup}; distinct positions of a request must have "
-                                 f"distinct host rows (validate=True)")
-            raise ValueError(f"topk row {n}: columns {cols} all select host row {dup}; the "
-                             f"valid host rows of a row must be unique (validate=True)")
-        where = f"batch row {n}" if r == 1 else f"batch rows {n * r}..{n * r + r - 1}"
-        if not np.array_equal(np.sort(lru[s].astype(np.int64)), want_lru):
-            bad = sorted(set(want_lru.tolist()) - set(lru[s].tolist()))
-            raise ValueError(f"state.lru[{s}] (the state row of {where}) must be a "
-                             f"permutation of 0..{hot - 1} (H={hot}); slot ids missing: "
-                             f"{bad[:8]} (validate=True)")
-        nulls = np.flatnonzero(hot_table[n] <= 0)
-        if nulls.size:
-            j = int(nulls[0])
-            row = n * r
-            raise ValueError(f"hot_block_table[{row}, {j}] = {int(hot_table[n, j])} for "
-                             f"{where}: the first ceil(H/B)={hot_table.shape[1]} blocks of a "
-                             f"live row back its hot slots and must be > 0 (block 0 is the "
-                             f"null block) (validate=True)")
-
-
-def _first_seen(values: np.ndarray) -> np.ndarray:
-    """bool mask: values[i] >= 0 and no values[j] == values[i] for j < i."""
-    _, first = np.unique(values, return_index=True)
-    mask = np.zeros(values.shape, bool)
-    mask[first] = True
-    return mask & (values >= 0)
-
-
-def _check_same_within_requests(rows: np.ndarray, r: int, tables) -> None:
-    """Each live request's r adjacent rows carry equal rows of every named table."""
-    for name, table in tables:
-        grouped = table.reshape(-1, r, table.shape[1])
-        differs = (grouped != grouped[:, :1]).any(axis=(1, 2)) & (rows[::r] >= 0)
-        if differs.any():
-            first = int(np.flatnonzero(differs)[0]) * r
-            raise ValueError(f"{name} rows {first}..{first + r - 1} differ, but they are the "
-                             f"query rows of one request (query_rows_per_request={r}) and "
-                             f"must carry the same table row (validate=True)")
 
 
 def validate_invalidate(state, state_rows_per_token, written_rows) -> None:

@@ -30,7 +30,8 @@ from typing import Any
 
 import jax
 
-from hisparse_jax.ops import _checks, _registry
+from hisparse_jax.ops import _checks, _registry, _values
+from hisparse_jax.ops.copies import check_plan
 
 
 def sparse_mla_decode(
@@ -43,6 +44,7 @@ def sparse_mla_decode(
     kv_format: str = "bf16",
     backend: str | None = None,
     config: Any = None,
+    validate: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sparse MLA decode attention over the selected flat rows of a paged latent KV cache.
 
@@ -54,9 +56,9 @@ def sparse_mla_decode(
         [num_blocks * B, D]; one latent head shared by all query heads. With
         kv_format="fp8_ds_mla": uint8 [num_blocks, B, 656] (or [R, 656]) rows of that format
         (`pallas_kernels/kv_format.py`), D = 576.
-      attention_rows: int32 [N, K] (or [N, s_q, K]): flat row per selected token, -1 = masked,
-        anywhere in the row. Valid entries must be < num_blocks * B (not checked: values are
-        data).
+      attention_rows: int32 [N, K] (or [N, s_q, K]): flat row per selected token, -1 (any
+        negative) = masked, anywhere in the row; the others must be < R = num_blocks * B.
+        An entry >= R is masked as -1 is, on every backend (never read past the cache).
       sm_scale: softmax scale (static Python float), e.g. 1 / sqrt(192) for DSV3.2.
       v_width: value width, the leading `v_width` dims of a row (512); with "fp8_ds_mla"
         at most 512 (the value is the dequantized latent part; the triton kernel takes
@@ -71,6 +73,10 @@ def sparse_mla_decode(
         the TMA-box kernel) or `pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8.RowTuning`
         (mosaic_gpu, the row-copy kernel: fp8_ds_mla rows, and bf16 rows when given);
         ignored by the reference.
+      validate: None (default): a concrete attention_rows (outside jax.jit) with an entry
+        >= R raises a ValueError naming it (the call waits for the array to reach the host);
+        traced, nothing more is checked (the kernels mask such entries). True: the same
+        host check, a ValueError when traced. False: no check.
 
     Returns:
       out: [N, h_q, v_width] (or [N, s_q, h_q, v_width]) in q's dtype;
@@ -84,6 +90,7 @@ def sparse_mla_decode(
     _checks.validate_attention(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
     flat, kw, unflatten = _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
     backend = _registry.select("sparse_mla_decode", backend, *flat, **kw)
+    _check_rows(validate, "sparse_mla_decode", attention_rows, kv_cache)
     attend = _registry.implementation("sparse_mla_decode", backend)
     if backend != "reference":
         kw["tuning"] = config
@@ -106,6 +113,13 @@ def _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format):
     return flat, kw, unflatten
 
 
+def _check_rows(validate, op: str, attention_rows, kv_cache) -> None:
+    """The host check of attention_rows' values, where `validate` asks for it (traced rows
+    need none: the kernels mask an entry outside the cache)."""
+    if _values.mode(validate, op, (("attention_rows", attention_rows),)) == "host":
+        _values.attention_host(attention_rows, kv_cache.size // kv_cache.shape[-1])
+
+
 def sparse_mla_decode_with_copies(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -122,6 +136,7 @@ def sparse_mla_decode_with_copies(
     copy_programs: int = 32,
     backend: str | None = None,
     config: Any = None,
+    validate: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
     """`sparse_mla_decode(q, kv_cache, attention_rows)` together with another index group's
     copies from host, `gather_compact_group(host_pools, kv_caches, swap_src, swap_dst,
@@ -132,7 +147,8 @@ def sparse_mla_decode_with_copies(
 
     kv_caches are other layers' caches (they must not hold kv_cache's buffer: the copies
     would race with the attention's reads); donate them at the jit boundary (updated in
-    place). Arguments as in the two ops; copy_programs: a static int >= 1.
+    place). Arguments as in the two ops (validate: both ops' value rules); copy_programs: a
+    static int >= 1.
 
     Returns:
       (out, lse, the updated kv_caches as a tuple).
@@ -144,6 +160,10 @@ def sparse_mla_decode_with_copies(
     copy_programs = _checks.check_static_int("copy_programs", copy_programs, minimum=1)
     flat, kw, unflatten = _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
     backend = _registry.select("sparse_mla_decode_with_copies", backend, *flat, **kw)
+    _check_rows(validate, "sparse_mla_decode_with_copies", attention_rows, kv_cache)
+    if kv_caches:
+        check_plan(validate, "sparse_mla_decode_with_copies", swap_src, swap_dst, swap_counts,
+                   kv_caches[0].size // kv_caches[0].shape[-1])
     run = _registry.implementation("sparse_mla_decode_with_copies", backend)
     if backend != "reference":
         kw.update(tuning=config, copy_programs=copy_programs)

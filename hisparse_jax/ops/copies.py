@@ -17,6 +17,13 @@ Outside a jit, `gather_compact`, `gather_compact_group` and `restore_rows` donat
 and `mirror_rows` the pool (inside a user's jit, donate at that jit's boundary). `backend=`
 picks the implementation through `hisparse_jax.ops._registry` (None: the Triton kernel on a
 GPU, else the reference).
+
+`validate=` (every op): how the destinations' value rule is checked (two copies into one row
+would race: the row would hold either). None (default): concrete index arrays are checked on
+the host (a ValueError naming the two entries; the call waits for the arrays), traced ones
+by `checkify.debug_check`s (raised under `jax.experimental.checkify.checkify`, free
+otherwise); True: the host check only (a ValueError for traced arrays); False: none (the
+engine's spills and restores). `hisparse_jax/ops/_values.py`, `docs/semantics.md`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax.ops import _checks, _registry
+from hisparse_jax.ops import _checks, _registry, _values
 
 
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("kv_cache",))
@@ -44,6 +51,7 @@ def gather_compact(
     swap_counts: jax.Array,
     *,
     backend: str | None = None,
+    validate: bool | None = None,
 ) -> jax.Array:
     """Copies the misses of a swap plan from the pinned host pool into the device cache.
 
@@ -53,12 +61,15 @@ def gather_compact(
     swap_src, swap_dst: int32[N, K]; swap_counts: int32[N] (a `Resolution`'s plan).
     For each n and m < swap_counts[n]: device row swap_dst[n, m] := host row swap_src[n, m]
     (zeros if swap_src >= host_rows); skipped when swap_src < 0 or swap_dst is outside the
-    cache. Destinations must be distinct.
+    cache. The destinations of the live entries must be distinct (`validate`: module
+    docstring).
     """
     _checks.validate_pool_and_cache(host_pool, kv_cache)
     _checks.validate_swap_plan(swap_src, swap_dst, swap_counts)
     backend = _registry.select("gather_compact", backend, host_pool, kv_cache, swap_src,
                                swap_dst, swap_counts)
+    check_plan(validate, "gather_compact", swap_src, swap_dst, swap_counts,
+               kv_cache.size // kv_cache.shape[-1])
     return _gather(host_pool, kv_cache, swap_src, swap_dst, swap_counts, backend=backend)
 
 
@@ -94,6 +105,7 @@ def gather_compact_group(
     backend: str | None = None,
     fused: bool = True,
     copy_programs: int | None = None,
+    validate: bool | None = None,
 ) -> tuple[jax.Array, ...]:
     """`gather_compact` of one swap plan into every layer of an index group.
 
@@ -113,6 +125,7 @@ def gather_compact_group(
       P >= 1: at most P programs, each looping over its share of the chunks that hold a
       miss (a copy from pinned host is bound by PCIe, not by the programs issuing it). The
       same result; the reference ignores it.
+    validate: the destinations' rule of `gather_compact` (module docstring).
 
     Raises:
       TypeError / ValueError: copy_programs is neither None nor an int >= 1.
@@ -126,6 +139,8 @@ def gather_compact_group(
         return ()
     backend = _registry.select("gather_compact_group", backend, host_pools, kv_caches,
                                swap_src, swap_dst, swap_counts)
+    check_plan(validate, "gather_compact_group", swap_src, swap_dst, swap_counts,
+               kv_caches[0].size // kv_caches[0].shape[-1])
     return _gather_group(host_pools, kv_caches, swap_src, swap_dst, swap_counts,
                          backend=backend, fused=bool(fused), programs=copy_programs)
 
@@ -152,18 +167,23 @@ def mirror_rows(
     host_rows: jax.Array,
     *,
     backend: str | None = None,
+    validate: bool | None = None,
 ) -> jax.Array:
     """Writes device rows into the pinned host pool in place (write-back / spill).
 
     kv_cache: [num_blocks, B, W] on the device. host_pool: [host_rows, W] or
     [host_blocks, B, W] in pinned_host memory; donated, returned updated (same memory kind).
     device_rows, host_rows: int32[R]; host row host_rows[i] := device row device_rows[i];
-    entries with a negative or out-of-range index are skipped; kept destinations distinct.
+    entries with a negative or out-of-range index are skipped; the kept destinations must be
+    distinct (`validate`: module docstring).
     """
     _checks.validate_pool_and_cache(host_pool, kv_cache)
     _checks.check_same_length("device_rows", device_rows, "host_rows", host_rows)
     backend = _registry.select("mirror_rows", backend, kv_cache, host_pool, device_rows,
                                host_rows)
+    width = kv_cache.shape[-1]
+    _check_mirror(validate, "mirror_rows", device_rows, host_rows, kv_cache.size // width,
+                  host_pool.size // width)
     sharding = host_pool.sharding if _checks.is_concrete(host_pool) else None
     return _mirror_jit(sharding)(kv_cache, host_pool, device_rows, host_rows, backend=backend)
 
@@ -200,6 +220,7 @@ def mirror_rows_group(
     host_rows: jax.Array,
     *,
     backend: str | None = None,
+    validate: bool | None = None,
 ) -> tuple[jax.Array, ...]:
     """`mirror_rows` of one row list into every layer's pool, as ONE jitted call (one
     dispatch per spill plan instead of one per layer).
@@ -208,7 +229,7 @@ def mirror_rows_group(
     `mirror_rows`), or one per G layers side by side (as `gather_compact_group`); donated,
     returned updated (a tuple, same memory kinds). device_rows, host_rows: int32[R], as
     `mirror_rows` (host rows of the pool's [host_blocks * B] rows, whatever its packing), the
-    same for every layer.
+    same for every layer; validate: as `mirror_rows`'.
     """
     kv_caches, host_pools = tuple(kv_caches), tuple(host_pools)
     if not kv_caches and not host_pools:
@@ -217,6 +238,9 @@ def mirror_rows_group(
     _checks.check_same_length("device_rows", device_rows, "host_rows", host_rows)
     backend = _registry.select("mirror_rows", backend, kv_caches[0], host_pools[0],
                                device_rows, host_rows)
+    _check_mirror(validate, "mirror_rows_group", device_rows, host_rows,
+                  kv_caches[0].size // kv_caches[0].shape[-1],
+                  host_pools[0].size // host_pools[0].shape[-1])
     shardings = (tuple(p.sharding for p in host_pools)
                  if all(_checks.is_concrete(p) for p in host_pools) else None)
     return _mirror_group_jit(shardings)(kv_caches, host_pools, device_rows, host_rows,
@@ -230,13 +254,35 @@ def restore_rows(
     device_rows: jax.Array,
     *,
     backend: str | None = None,
+    validate: bool | None = None,
 ) -> jax.Array:
     """Copies host rows back into device rows (page restores of the host tier).
 
     host_rows, device_rows: int32[R], the live entries packed at the front and padded with -1
     (the layout `host_tier.TransferEngine` builds); device row device_rows[i] := host row
-    host_rows[i]. One batch row of `gather_compact`: `kv_cache` is donated, returned updated.
+    host_rows[i]. One batch row of `gather_compact`: `kv_cache` is donated, returned updated;
+    validate: as `gather_compact`'s.
     """
     count = jnp.sum(host_rows >= 0, dtype=jnp.int32).reshape(1)
     return gather_compact(host_pool, kv_cache, host_rows[None], device_rows[None], count,
-                          backend=backend)
+                          backend=backend, validate=validate)
+
+
+def check_plan(validate, op: str, swap_src, swap_dst, swap_counts, num_cache_rows: int
+               ) -> None:
+    """The swap plan's destination rule, as `validate` says (module docstring)."""
+    check = _values.mode(validate, op, (("swap_src", swap_src), ("swap_dst", swap_dst),
+                                        ("swap_counts", swap_counts)))
+    if check is not None:
+        (_values.plan_host if check == "host" else _values.plan_traced)(
+            swap_src, swap_dst, swap_counts, num_cache_rows)
+
+
+def _check_mirror(validate, op: str, device_rows, host_rows, num_cache_rows: int,
+                  num_pool_rows: int) -> None:
+    """The mirror's destination rule, as `validate` says (module docstring)."""
+    check = _values.mode(validate, op, (("device_rows", device_rows),
+                                        ("host_rows", host_rows)))
+    if check is not None:
+        (_values.mirror_host if check == "host" else _values.mirror_traced)(
+            device_rows, host_rows, num_cache_rows, num_pool_rows)

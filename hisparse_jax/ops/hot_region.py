@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax.ops import _checks, _registry
+from hisparse_jax.ops import _checks, _registry, _values
 from hisparse_jax.state import HotState
 
 
@@ -76,7 +76,7 @@ def resolve_residency(
     block_size: int,
     host_rows: int,
     backend: str | None = None,
-    validate: bool = False,
+    validate: bool | None = None,
     query_rows_per_request: int = 1,
 ) -> tuple[Resolution, HotState]:
     """Maps each selected position to a device row, updating the hot-region LRU.
@@ -97,12 +97,20 @@ def resolve_residency(
       block_size: B, static. host_rows: rows of the host pool (a Python int, passed as a
         traced scalar so a pool resize does not recompile); g >= host_rows is -1.
       backend: "reference", "triton" or None (see `hisparse_jax.ops._registry`).
-      validate: also check the value rules of the live rows (state_rows >= 0) before any
-        work: valid host rows unique within each row of topk, each state.lru row a
-        permutation of 0..H-1, the first ceil(H/B) hot_block_table ids > 0. Opt-in (it
-        copies the arrays to the host); needs concrete arrays (a ValueError under jit).
-        With query_rows_per_request > 1 it also checks that a request's rows carry equal
-        table rows and that its distinct positions have distinct host rows.
+      validate: how the value rules of the live rows (state_rows >= 0) are checked: valid
+        host rows unique within each row of topk, each state.lru row a permutation of
+        0..H-1, the first ceil(H/B) hot_block_table ids > 0 (and with
+        query_rows_per_request > 1: a request's rows carry equal table rows, its distinct
+        positions distinct host rows). Broken, they give garbage (a negative hot block id
+        gives negative attention rows, a repeated LRU slot one device row to several
+        misses, a repeated host row one host row in several slots). None (default):
+        concrete arrays (outside jax.jit) are checked on the host before any work (a
+        ValueError naming the argument, the row and the rule; the call waits for the
+        arrays to reach the host); under jit the rules are `checkify.debug_check`s, raised
+        where the caller runs under `jax.experimental.checkify.checkify` and free
+        otherwise (no device work; the jitted function dispatches through jax's Python
+        path). True: the host check, a ValueError for traced arrays. False: no check (the
+        engine: its indices are valid by construction). `docs/semantics.md`, value checks.
       query_rows_per_request: r (static int >= 1), query rows per request (1 + speculative
         tokens: `HiSparseConfig.query_rows_per_request`). N must be a multiple of r; the r
         rows of a request are adjacent and carry the same state row and table rows (the op
@@ -117,15 +125,20 @@ def resolve_residency(
     _checks.validate_resolve(state, topk, state_rows, hot_block_table, source_block_table,
                              resident_block_table, block_size, host_rows,
                              query_rows_per_request)
-    if validate:
-        _checks.validate_resolve_values(state, topk, state_rows, hot_block_table,
-                                        source_block_table, block_size, host_rows,
-                                        resident_block_table, query_rows_per_request)
     op, arrays = _rule(state)
     backend = _registry.select(
         op, backend, *arrays, topk, state_rows, hot_block_table, source_block_table,
         resident_block_table, block_size=block_size, host_rows=host_rows,
         query_rows_per_request=query_rows_per_request)
+    named = (("state.slot_rows", state.slot_rows), ("state.lru", state.lru), ("topk", topk),
+             ("state_rows", state_rows), ("hot_block_table", hot_block_table),
+             ("source_block_table", source_block_table),
+             ("resident_block_table", resident_block_table))
+    check = _values.mode(validate, "resolve_residency", named)
+    if check is not None:
+        (_values.resolve_host if check == "host" else _values.resolve_traced)(
+            state, topk, state_rows, hot_block_table, source_block_table, block_size,
+            host_rows, resident_block_table, query_rows_per_request)
     return _resolve(state, topk, state_rows, hot_block_table, source_block_table,
                     resident_block_table, block_size=int(block_size),
                     host_rows=jnp.int32(host_rows), backend=backend,

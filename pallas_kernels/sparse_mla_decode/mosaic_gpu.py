@@ -1,10 +1,10 @@
 """sparse_mla_decode as a Pallas Mosaic GPU kernel (Hopper, wgmma); jax >= 0.11.
 
 Import this module only where jax has Mosaic GPU Pallas (`hisparse_jax.ops` loads it lazily).
-Contract: `reference.sparse_mla_decode` (flat rows, -1 holes anywhere, all-invalid rows give
-out = 0 and lse = -inf). The Triton kernel (`triton.py`) is the default on the GPU: this one
-must copy each selected row as D/64 separate TMA boxes (figures in
-`bench/NOTES-sparse_mla.md`).
+Contract: `reference.sparse_mla_decode` (flat rows, -1 holes anywhere, ids outside [0, R)
+holes too, all-invalid rows give out = 0 and lse = -inf). The Triton kernel (`triton.py`) is
+the default on the GPU: this one must copy each selected row as D/64 separate TMA boxes
+(figures in `bench/NOTES-sparse_mla.md`).
 
 The "mosaic_gpu" backend has a second kernel, `mosaic_gpu_fp8.py`, which moves each row with one
 bulk copy and rewrites it into the wgmma layout in SMEM: it runs fp8_ds_mla rows (always) and
@@ -486,6 +486,8 @@ def _tma_kernel_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Arr
     h_pad = pl.cdiv(h_q, BLOCK_H) * BLOCK_H
     num_tiles = pl.cdiv(top_k, bkv)
     splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
+    # An entry outside [0, R) is masked as -1 is (the contract): never gathered.
+    attention_rows = jnp.where(attention_rows < kv_rows.shape[0], attention_rows, -1)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, num_tiles * bkv)
     rows3 = redirect_masked(rows).reshape(num_rows, num_tiles, bkv)
     out, lse2 = _kernel_call(q_pad, kv_rows, rows3, scale2=float(sm_scale) * LOG2E,

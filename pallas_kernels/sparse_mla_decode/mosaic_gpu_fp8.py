@@ -532,7 +532,8 @@ def sparse_mla_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Arra
                       interpret: bool = False, tuning: RowTuning | None = None
                       ) -> tuple[jax.Array, jax.Array]:
     """Kernel entry on validated inputs: q [T, h_q, 576] bf16, kv_rows [R, 576] bf16 or uint8
-    [R, 656] (kv_format "fp8_ds_mla"), attention_rows int32 [T, K] (-1 = masked).
+    [R, 656] (kv_format "fp8_ds_mla"), attention_rows int32 [T, K] (-1 = masked; an
+    entry outside [0, R) is masked too).
 
     Returns out [T, h_q, 512] bf16 and lse float32 [T, h_q] (natural log).
     Raises ValueError with `supports`' reason for inputs it cannot run.
@@ -546,6 +547,8 @@ def sparse_mla_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Arra
     h_pad = pl.cdiv(h_q, BLOCK_H) * BLOCK_H
     num_tiles = pl.cdiv(attention_rows.shape[1], BKV)
     splits = _choose_splits(num_rows, h_pad // BLOCK_H, num_tiles, cfg)
+    # An entry outside [0, R) is masked as -1 is (the contract): never copied.
+    attention_rows = jnp.where(attention_rows < kv_rows.shape[0], attention_rows, -1)
     q_pad, rows = pad_operands(q, attention_rows, h_pad, num_tiles * BKV)
     rows3 = redirect_masked(rows).reshape(num_rows, num_tiles, BKV)
     kv = kv_rows

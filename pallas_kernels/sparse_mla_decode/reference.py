@@ -7,7 +7,8 @@ The contract it defines (and every kernel backend reproduces):
                                  of q's dtype (kv_format "bf16"), or uint8 [R, 656] rows of
                                  the "fp8_ds_mla" format (`pallas_kernels/kv_format.py`), D = 576
   attention_rows:  int32 [T, K]  row of `kv_cache_rows` per selected token, -1 = masked
-                                 (holes may be anywhere); valid entries are in [0, R)
+                                 (holes may be anywhere); valid entries are in [0, R), and
+                                 an entry outside [0, R) is masked as -1 is (never read)
   sm_scale:        float         softmax scale applied to q . k
 
   out[t, h] = sum_k softmax_k(sm_scale * q[t, h] . kv[rows[t, k]]) * kv[rows[t, k], :v_width]
@@ -54,7 +55,7 @@ def sparse_mla_decode(
 
     Returns (out [T, h_q, v_width] in q.dtype, lse float32 [T, h_q]).
     """
-    valid = attention_rows >= 0                                     # [T, K]
+    valid = (attention_rows >= 0) & (attention_rows < kv_cache_rows.shape[0])   # [T, K]
     safe_rows = jnp.where(valid, attention_rows, 0)
     kv = jnp.take(kv_cache_rows, safe_rows, axis=0, mode="clip")   # [T, K, D] (or [T, K, 656])
     if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA:

@@ -1,8 +1,9 @@
 """sparse_mla_decode as a Pallas kernel through the Triton lowering.
 
 Contract of `reference.sparse_mla_decode`: q [T, h_q, D], flat rows kv_rows [R, D], row ids
-int32 [T, K] with -1 holes anywhere; out [T, h_q, v_width] in q's dtype, natural-log lse
-float32 [T, h_q]; a row with no valid entry gives out = 0 and lse = -inf.
+int32 [T, K] with -1 holes anywhere (an id outside [0, R) is a hole too: never read); out
+[T, h_q, v_width] in q's dtype, natural-log lse float32 [T, h_q]; a row with no valid entry
+gives out = 0 and lse = -inf.
 
 Why Triton: the selected rows are gathered as [block_k, 512] tiles with vector loads; Mosaic
 GPU has no vector-index gather on Hopper (`pallas_kernels/_triton.py`,

@@ -67,8 +67,8 @@ def _load_ids(rows_ref, s, t, i, *, steps, block_k):
 
 def _gather(kv_ref, read, ids):
     """(valid [block_k], the reader's (keys, key_scales, values)) for row ids `ids` (-1:
-    masked, loads nothing)."""
-    valid = ids >= 0
+    masked, loads nothing; so is an id outside [0, R), never read past the rows)."""
+    valid = (ids >= 0) & (ids < kv_ref.shape[0])
     return valid, read(functools.partial(masked_load, kv_ref,
                                          jnp.where(valid, ids, 0)[:, None], valid))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 import hisparse_jax as hs
 from hisparse_jax.ops import gather_compact_group, restore_rows
@@ -185,6 +186,57 @@ def test_restore_rows_is_one_packed_batch_row(backend, row, pinned_host):
     want = cache_np.reshape(-1, width).copy()
     want[[11, 2, 5]] = pool_np[[4, 17, 0]]
     np.testing.assert_array_equal(np.asarray(got).reshape(-1, width), want)
+
+
+# A plan whose batch rows 0 and 1 both copy into device row 5 (live entries: before the
+# default check the row silently held either copy); not-live repeats are fine (past
+# swap_counts, a negative source, a destination outside the 12-row cache).
+DUPLICATE_PLAN = ([[1, 2, 3, 4], [6, 7, 8, -1]], [[5, 6, 7, 7], [8, 5, 20, 6]], [3, 2])
+LIVE_REPEATS_ONLY_OUTSIDE = ([[1, 2, 3, 4], [6, -1, 8, 9]], [[5, 6, 7, 7], [8, 5, 20, 20]],
+                             [3, 4])
+
+
+def _plan_op(op, backend, pool):
+    """fn(cache, src, dst, counts, validate) running `op` on one 12-row cache."""
+    if op == "gather_compact":
+        return lambda c, s, d, n, v: hs.gather_compact(pool, c, s, d, n, backend=backend,
+                                                       validate=v)
+    if op == "gather_compact_group":
+        return lambda c, s, d, n, v: gather_compact_group((pool,), (c,), s, d, n,
+                                                          backend=backend, validate=v)[0]
+    # restore_rows: one batch row, its live entries packed at the front.
+    return lambda c, s, d, n, v: restore_rows(pool, c, s[0], d[0], backend=backend,
+                                              validate=v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["gather_compact", "gather_compact_group", "restore_rows"])
+def test_repeated_destinations_raise_by_default_and_under_checkify(backend, op, pinned_host):
+    """Two live entries writing one device row: outside jit a ValueError naming both entries
+    and the rule (validate=False: unchecked); under jit a checkify error."""
+    rng = np.random.default_rng(9)
+    _, pool = make_pool(rng, 20, pinned_host)
+    run = _plan_op(op, backend, pool)
+    cache = lambda: jnp.zeros((3, 4, W), jnp.float32)  # noqa: E731 - donated by each call
+    plan = [jnp.asarray(np.array(x, np.int32)) for x in DUPLICATE_PLAN]
+    if op == "restore_rows":  # one row: entries 0 and 2 both write device row 5
+        plan = [jnp.array([[1, 2, 3, -1]], jnp.int32), jnp.array([[5, 6, 5, -1]], jnp.int32),
+                None]
+        match = r"swap_dst\[0, 0\] and swap_dst\[0, 2\] both write device row 5"
+    else:
+        match = r"swap_dst\[0, 0\] and swap_dst\[1, 1\] both write device row 5"
+    with pytest.raises(ValueError, match=match + r"; the live entries of a swap plan .* must "
+                                                 r"have distinct destinations"):
+        run(cache(), *plan, None)
+    run(cache(), *plan, False)
+    checked = checkify.checkify(jax.jit(lambda c, s, d, n: run(c, s, d, n, None)),
+                                errors=checkify.user_checks)
+    err, _ = checked(cache(), *plan)
+    assert "swap_dst: device row 5 is the destination of two live entries" in (err.get() or "")
+    if op != "restore_rows":
+        fine = [jnp.asarray(np.array(x, np.int32)) for x in LIVE_REPEATS_ONLY_OUTSIDE]
+        run(cache(), *fine, None)
+        assert checked(cache(), *fine)[0].get() is None
 
 
 # --------------------------------------------------------------------------- index group

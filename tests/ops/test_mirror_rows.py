@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 import hisparse_jax as hs
 from pallas_kernels.mirror_rows import triton as tk
@@ -92,6 +93,36 @@ def test_donates_the_pool(backend, pinned_host):
     assert pool.is_deleted()
     np.testing.assert_array_equal(np.asarray(new)[3], 1.0)
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group", [False, True], ids=["mirror_rows", "mirror_rows_group"])
+def test_repeated_destinations_raise_by_default_and_under_checkify(backend, group,
+                                                                  pinned_host):
+    """Two kept entries writing one host row (before the default check the row silently held
+    either): outside jit a ValueError naming both entries and the rule (validate=False:
+    unchecked); under jit a checkify error. Skipped entries may repeat."""
+    pool = lambda: jax.device_put(np.zeros((8, W), np.float32), pinned_host)  # noqa: E731
+    cache = jnp.ones((2, 4, W), jnp.float32)
+
+    def run(p, dev, host, validate):
+        if group:
+            return hs.mirror_rows_group((cache,), (p,), dev, host, backend=backend,
+                                        validate=validate)[0]
+        return hs.mirror_rows(cache, p, dev, host, backend=backend, validate=validate)
+
+    dev = jnp.array([0, 1, 2, -1, 9], jnp.int32)
+    host = jnp.array([3, 5, 3, 5, 5], jnp.int32)        # entries 3, 4 skipped (device row)
+    with pytest.raises(ValueError, match=r"host_rows\[0\] and host_rows\[2\] both write host "
+                                         r"row 3; the kept entries .* must have distinct "
+                                         r"destinations"):
+        run(pool(), dev, host, None)
+    run(pool(), dev, host, False)
+    run(pool(), dev, jnp.array([3, 5, 4, 5, 5], jnp.int32), None)  # kept ones distinct
+    checked = checkify.checkify(jax.jit(lambda p, d, h: run(p, d, h, None)),
+                                errors=checkify.user_checks)
+    err, _ = checked(pool(), dev, host)
+    assert "host_rows: host row 3 is the destination of two kept entries" in (err.get() or "")
 
 def test_validation_errors(pinned_host):
     pool = jax.device_put(np.zeros((8, W), np.float32), pinned_host)

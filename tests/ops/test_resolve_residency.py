@@ -5,6 +5,7 @@ CUDA, and the GPU-scale runs."""
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import chex
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 import hisparse_jax as hs
 from bench.ops.resolve_residency import RESOLVE_VARIANTS
@@ -88,7 +90,9 @@ def test_matches_oracle(backend, seed, data, resident_share, corrupt_lru):
     case = random_case(rng, n=4, k=k, hot=k * mult, block_size=block_size,
                        src_blocks=src_blocks, resident_share=resident_share,
                        corrupt_lru=corrupt_lru)
-    resolution, state = run_public(case, backend)
+    # A corrupt LRU breaks the permutation rule the default check enforces: unchecked, the
+    # op follows `docs/semantics.md` (out-of-range ids are evictable, their misses dropped).
+    resolution, state = run_public(case, backend, validate=False if corrupt_lru else None)
     assert_matches_oracle(case, resolution, state)
 
 
@@ -381,7 +385,7 @@ def test_validate_accepts_valid_cases(backend, seed):
                                   "null_hot_block", "negative_hot_block"])
 def test_validate_rejects_each_rule(backend, rule):
     """Each value rule, broken on one live row: a ValueError naming the argument, the batch
-    row and the rule; the same case without validate=True runs (the check is opt-in)."""
+    row and the rule, with validate=True and by default; validate=False runs it unchecked."""
     case = _valid_case(5)
     found = _live_row(case, need_host_rows=2)
     assert found is not None
@@ -401,9 +405,10 @@ def test_validate_rejects_each_rule(backend, rule):
         case.hot_table[n, 1] = 0 if rule == "null_hot_block" else -3
         match = (rf"hot_block_table\[{n}, 1\] = {case.hot_table[n, 1]} for batch row {n}: "
                  r".* must be > 0")
-    with pytest.raises(ValueError, match=match):
-        run_public(case, backend, validate=True)
-    run_public(case, backend)                              # opt-in: unchecked, it runs
+    for validate in (True, None):
+        with pytest.raises(ValueError, match=match):
+            run_public(case, backend, validate=validate)
+    run_public(case, backend, validate=False)              # opt-out: unchecked, it runs
 
 
 def test_validate_checks_live_rows_only():
@@ -423,6 +428,97 @@ def test_validate_needs_concrete_arrays():
     with pytest.raises(ValueError, match="validate=True.*needs concrete arrays.*topk is traced"):
         jax.jit(lambda t: hs.resolve_residency(state, t, validate=True, **kw))(topk)
     hs.resolve_residency(state, topk, validate=True, **kw)          # concrete: fine
+
+
+
+# The value rules broken as in the issue (one request, K = 4, H = 8, B = 4): before the default
+# check these returned garbage (attention rows -40..-37; four misses in one device row; one
+# host row copied into four slots). (mutate(state, topk, hot_table), host-check message,
+# checkify message).
+ISSUE_CASES = {
+    "negative_hot_blocks": (
+        lambda st, t, hot: (st, t, jnp.array([[-10, -11]], jnp.int32)),
+        r"hot_block_table\[0, 0\] = -10 for batch row 0: .* must be > 0 \(block 0 is the "
+        r"null block\)",
+        r"hot_block_table of batch row 0 holds a block id <= 0 .* must be > 0"),
+    "lru_not_a_permutation": (
+        lambda st, t, hot: (hs.HotState(st.slot_rows, jnp.zeros_like(st.lru)), t, hot),
+        r"state.lru\[0\] \(the state row of batch row 0\) must be a permutation of 0..7",
+        r"state.lru of the state row of batch row 0 must be a permutation of 0..7"),
+    "duplicate_topk": (
+        lambda st, t, hot: (st, jnp.zeros_like(t), hot),
+        r"topk row 0: columns \[0, 1, 2, 3\] all select host row 4; the valid host rows of a "
+        r"row must be unique",
+        r"topk row 0 selects one host row in two columns; the valid host rows of a row must "
+        r"be unique"),
+}
+
+
+def _issue_case(name=None):
+    """(state, topk, hot_block_table, the other keywords): the valid case (name None: hits
+    none of the rules) or ISSUE_CASES[name]."""
+    cfg, kw = identity_setup(4, 8, 4)
+    args = (hs.init_hot_state(cfg), jnp.arange(4, dtype=jnp.int32)[None],
+            kw.pop("hot_block_table"))
+    if name is not None:
+        args = ISSUE_CASES[name][0](*args)
+    return (*args, kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(ISSUE_CASES))
+def test_broken_value_rules_raise_by_default(backend, name):
+    """Outside jit the default call raises, naming the argument, the row and the rule."""
+    state, topk, hot, kw = _issue_case(name)
+    with pytest.raises(ValueError, match=ISSUE_CASES[name][1]):
+        hs.resolve_residency(state, topk, hot_block_table=hot, backend=backend, **kw)
+    hs.resolve_residency(state, topk, hot_block_table=hot, backend=backend, validate=False,
+                         **kw)                                      # opt-out: it runs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(ISSUE_CASES))
+def test_broken_value_rules_are_checkify_errors_under_jit(backend, name):
+    """Under jit the default call carries the rules as checkify checks: a function run under
+    `checkify.checkify` reports the broken rule (and nothing for the valid case);
+    validate=False leaves them out."""
+    *args, kw = _issue_case(name)
+
+    def attention_rows(st, t, h, validate=None):
+        return hs.resolve_residency(st, t, hot_block_table=h, backend=backend,
+                                    validate=validate, **kw)[0].attention_rows
+
+    checked = checkify.checkify(jax.jit(attention_rows), errors=checkify.user_checks)
+    err, _ = checked(*args)
+    assert err.get() is not None and re.search(ISSUE_CASES[name][2], err.get()), err.get()
+    assert checked(*_issue_case()[:3])[0].get() is None
+    unchecked = checkify.checkify(jax.jit(functools.partial(attention_rows, validate=False)),
+                                  errors=checkify.user_checks)
+    assert unchecked(*args)[0].get() is None
+
+
+@pytest.mark.parametrize("rule, match", [
+    ("source_block_table", r"source_block_table rows of request 1 differ"),
+    ("lru", r"state.lru of the state row of request 1 must be a permutation"),
+    ("hot_block_table", r"hot_block_table of request 1 holds a block id <= 0"),
+    ("repeated_host_row", r"request 1 .* selects distinct positions with the same host row"),
+])
+def test_union_rules_are_checkify_errors_under_jit(rule, match):
+    """r = 2 under jit: each union rule broken on request 1 is reported by checkify."""
+    state, topk, kw = _union_good_args()
+    topk = jnp.tile(jnp.arange(8, dtype=jnp.int32), (4, 1))
+    if rule == "source_block_table":
+        kw["source_block_table"] = kw["source_block_table"].at[3, 0].add(1)
+    elif rule == "lru":
+        state = hs.HotState(state.slot_rows, state.lru.at[1, 0].set(1))
+    elif rule == "hot_block_table":
+        kw["hot_block_table"] = kw["hot_block_table"].at[2:, 1].set(0)
+    else:
+        kw["source_block_table"] = kw["source_block_table"].at[2:, 1].set(1)
+    checked = checkify.checkify(jax.jit(lambda st, t: hs.resolve_residency(
+        st, t, query_rows_per_request=2, **kw)[0].attention_rows), errors=checkify.user_checks)
+    err, _ = checked(state, topk)
+    assert err.get() is not None and re.search(match, err.get()), err.get()
 
 
 def test_config_validation():
@@ -631,7 +727,8 @@ def test_union_matches_oracle(backend, seed, data, resident_share, corrupt_lru, 
     shape = data.draw(st.sampled_from(shapes), label="shape")
     case = union_case(np.random.default_rng(seed), shape, overlap,
                       resident_share=resident_share, corrupt_lru=corrupt_lru)
-    resolution, state = run_public(case, backend, query_rows_per_request=shape[1])
+    resolution, state = run_public(case, backend, query_rows_per_request=shape[1],
+                                   validate=False if corrupt_lru else None)
     assert_matches_oracle(case, resolution, state, rows_per_request=shape[1])
     requests, r, k, _ = shape
     assert resolution.swap_src.shape == (requests, r * k)          # the plan is per request
@@ -794,8 +891,8 @@ def test_union_bad_input_names_the_argument(mutate, match):
 @pytest.mark.parametrize("rule", ["source_block_table", "hot_block_table",
                                   "resident_block_table", "repeated_host_row"])
 def test_union_validate_rejects_each_rule(rule):
-    """validate=True with r > 1: a request's rows carry equal table rows, and its distinct
-    positions distinct host rows; without validate=True the same case runs."""
+    """validate=True (and the default) with r > 1: a request's rows carry equal table rows,
+    and its distinct positions distinct host rows; with validate=False the same case runs."""
     rng = np.random.default_rng(8)
     shape = UNION_SHAPES[0]
     requests, r, k, _ = shape
@@ -812,9 +909,10 @@ def test_union_validate_rejects_each_rule(rule):
                  "resident_block_table": case.res_table}[rule]
         table[1, 0] += 1
         match = rf"{rule} rows 0..{r - 1} differ, .* must carry the same table row"
-    with pytest.raises(ValueError, match=match):
-        run_public(case, query_rows_per_request=r, validate=True)
-    run_public(case, query_rows_per_request=r)
+    for validate in (True, None):
+        with pytest.raises(ValueError, match=match):
+            run_public(case, query_rows_per_request=r, validate=validate)
+    run_public(case, query_rows_per_request=r, validate=False)
 
 
 def test_config_num_speculative_tokens():

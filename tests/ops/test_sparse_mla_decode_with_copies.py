@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -132,6 +133,31 @@ def test_an_empty_plan_or_no_layers_copies_nothing(backend):
     assert none == ()
     np.testing.assert_array_equal(bits(out), bits(want_out))
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_past_the_cache_and_repeated_destinations(backend):
+    """Both ops' value rules: outside jit an attention entry >= R and two live copies into
+    one row raise (naming the entries); under jit the entry past the cache is masked as -1
+    is, on every backend (bit for bit the output of the rows with -1 there)."""
+    q, kv, rows, host, _, caches, src, dst, counts = make_case(5)
+    r = kv.shape[0] * kv.shape[1]
+    past = rows.at[0, 1].set(r + 3)
+    kw = dict(sm_scale=SM_SCALE, backend=backend)
+    with pytest.raises(ValueError, match=rf"attention_rows\[0, 1\] = {r + 3} is not a row"):
+        sparse_mla_decode_with_copies(q, kv, past, host, [c.copy() for c in caches], src,
+                                      dst, counts, **kw)
+    twice = dst.at[0, 1].set(dst[0, 0])                  # counts[0] > 1: both live
+    with pytest.raises(ValueError, match=r"swap_dst\[0, 0\] and swap_dst\[0, 1\] both "
+                                         r"write device row"):
+        sparse_mla_decode_with_copies(q, kv, rows, host, [c.copy() for c in caches], src,
+                                      twice, counts, **kw)
+    run = jax.jit(lambda x, cs: sparse_mla_decode_with_copies(q, kv, x, host, cs, src, dst,
+                                                              counts, **kw)[:2])
+    out, lse = run(past, [c.copy() for c in caches])
+    want_out, want_lse = run(rows.at[0, 1].set(-1), [c.copy() for c in caches])
+    np.testing.assert_array_equal(bits(out), bits(want_out))
+    np.testing.assert_array_equal(bits(lse), bits(want_lse))
 
 @pytest.mark.parametrize("change, exc, match", [
     ({"copy_programs": 0}, ValueError, "copy_programs must be >= 1"),

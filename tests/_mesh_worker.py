@@ -361,6 +361,21 @@ def _compose_engine(spec, model, reference):
     return MeshEngine(model, config, mesh=make_mesh((D, M), jax.devices()[:D * M]))
 
 
+def _watch_in_flight(engine):
+    """Counts the scheduler passes given in-flight ids of requests not running on their own
+    shard (each shard's pass must count only its own steps in flight); returns [count]."""
+    foreign = [0]
+    for sh in engine.shards:
+        sched = sh.scheduler
+
+        def schedule(in_flight=frozenset(), sched=sched, fn=sched.schedule):
+            foreign[0] += any(rid not in sched.running for rid in in_flight)
+            return fn(in_flight)
+
+        sched.schedule = schedule
+    return foreign
+
+
 def _check_shards(engine):
     """No request left, every copy delivered, every shard's coordinator consistent."""
     from host_tier import Coordinator
@@ -397,6 +412,7 @@ def compose(out_path, specs):
         except ValueError as e:  # a combination EngineConfig refuses (recorded, not served)
             record[spec] = {"refused": str(e)}
             continue
+        foreign = _watch_in_flight(engine)
         warm = {}
         if "warmup" in features:
             from hisparse_jax.engine.metrics import CompileWatch
@@ -420,7 +436,8 @@ def compose(out_path, specs):
                 "prefix_hit_tokens", "prefix_hit_requests", "spilled_pages", "hot_lookups",
                 "drains", "dropped_rows", "preemptions", "accepted_tokens", "draft_tokens",
                 "tokens_per_request_step", "replay_mismatches", "decode_steps")},
-            "traces": dict(engine.trace_counts), **warm}
+            "traces": dict(engine.trace_counts), **warm,
+            "foreign_in_flight": foreign[0]}
         if "faults" in features:
             entry["faults"] = compose_faults(engine, reference)
         record[spec] = entry

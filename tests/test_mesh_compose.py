@@ -103,6 +103,7 @@ def test_async_steps_overlap_and_drain(composed):
     assert len(runs) >= 2
     for spec, run in runs.items():
         assert run["summary"]["drains"] > 0, spec  # a step with no decode collected the last
+        assert run["foreign_in_flight"] == 0, spec  # a shard's pass: its own steps in flight
     # `warmup()` compiled the mesh decode step that reads the previous step's device tokens
     # and every chunk prefill: no served step compiled.
     assert composed["2x1:all_resident:async:chunk:warmup"]["served_compiles"] == 0

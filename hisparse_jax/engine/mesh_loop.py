@@ -87,9 +87,10 @@ class MeshFlight:
     batches: dict[int, list[Request]]
     fed: dict[int, list[tuple[Request, int]]]
 
-    @property
-    def ids(self) -> frozenset[Hashable]:
-        return frozenset(r.request_id for reqs in self.batches.values() for r in reqs)
+    def ids(self, shard: int) -> frozenset[Hashable]:
+        """The ids of data shard `shard`'s requests in this step (each shard's pass counts
+        only its own requests in flight, as `AsyncLoop`'s pass does)."""
+        return frozenset(r.request_id for r in self.batches.get(shard, ()))
 
 
 class MeshSyncLoop:
@@ -140,11 +141,13 @@ class MeshSyncLoop:
         dispatched step (None: no process decodes) and the requests fed `prev`'s device
         tokens, by shard."""
         self.engine.route()
-        ahead = prev.ids if prev is not None else frozenset()
-        scheduled = [part for part in parts if part.schedule(ahead) is not None]
+        ahead = {sh.index: prev.ids(sh.index) if prev is not None else frozenset()
+                 for sh in self.engine.shards}
         index = {id(sh.scheduler): sh.index for sh in self.engine.shards}
+        scheduled = [part for part in parts
+                     if part.schedule(ahead[index[id(part.scheduler)]]) is not None]
         decode = {index[id(p.scheduler)]: p.scheduled.decode for p in scheduled}
-        here = {d: frozenset(r.request_id for r in reqs if r.request_id in ahead)
+        here = {d: frozenset(r.request_id for r in reqs if r.request_id in ahead[d])
                 for d, reqs in decode.items()}
         fed = {d: [(r, r.live) for r in reqs if r.request_id in here[d] and not r.replaying]
                for d, reqs in decode.items()}

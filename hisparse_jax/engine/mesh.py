@@ -286,8 +286,8 @@ class MeshEngine(EngineFront):
       mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`make_mesh`).
       mesh_shape: (D, M) to build one over every device instead (default: (devices, 1)).
 
-    Requests, `run`, `step`, `warmup`, `cancel`, `summary` and `close` work as on `Engine`
-    (`step` and `warmup` are collective with several processes). After an exception from
+    Requests, `run`, `step`, `drain`, `warmup`, `cancel`, `summary` and `close` work as on
+    `Engine` (`step` and `warmup` are collective with several processes). After an exception from
     `step()` every local data shard is recovered as `Engine` recovers (`step.recover_parts`);
     with several processes only when every process raised at the same point (`docs/mesh.md`).
     """

@@ -151,9 +151,10 @@ class MeshSyncLoop:
                 for d, reqs in decode.items()}
         fed = {d: [(r, r.live) for r in reqs if r.request_id in here[d] and not r.replaying]
                for d, reqs in decode.items()}
-        feeds = prev is not None and any(here.values())
+        # Step t's tokens go in whenever it is in flight (on every process alike: its
+        # dispatch was agreed); `here` picks the rows that read them.
         pending = execute(self.ctx, scheduled, lambda: self._dispatch(
-            scheduled, decode, prev.pending if feeds else None, here))
+            scheduled, decode, None if prev is None else prev.pending, here))
         if any(part.scheduled.admitted for part in scheduled):
             self.decoder.topk_global = None  # their prefills admitted them into top-k states
         return scheduled, pending, fed

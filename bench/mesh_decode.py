@@ -13,11 +13,19 @@ method: ramp to the steady state, then `--measure-steps` timed engine steps):
 Writes `bench/results/mesh_decode-<backend>.json` with decode tokens/s, the mesh / one-device
 ratio (target >= 1.8x on 2 GPUs) and HiSparse / all-resident on the mesh. Set the device
 count before jax starts (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
+
+`--async-scheduling`, `--prefill-chunk-size C` and `--prefix-caching` turn the serving feature
+on in all three engines alike. Chunked prefill and prefix caching need the model's indexer
+(`EngineConfig`'s rule), so with either the indexer selects (over the synthetic prefill's
+unit-normal index keys) instead of the drift top-k source, and a chunk runs the model's
+`prefill_chunk` (a real prefill of the prompt); the requests' prompts share all but their
+last token, so with prefix caching every request after the first reuses published pages.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -31,6 +39,7 @@ import jax
 from bench import e2e_decode
 from bench._common import HelpFormatter
 from hisparse_jax import models
+from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.topk_sources import DriftTopK
 
@@ -51,6 +60,18 @@ def _run(model, args, sizes, *, mode: str, concurrency: int, build, shards: int,
     finally:
         engine.close()
         gc.collect()
+
+
+def with_features(ec: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """`ec` with `--prefill-chunk-size` / `--prefix-caching` (module docstring: the indexer
+    selects; chunks padded to a multiple of their size); `--async-scheduling` is read by
+    `e2e_decode.make_engine` itself."""
+    chunk, prefix = args.prefill_chunk_size, args.prefix_caching
+    if chunk is None and not prefix:
+        return ec
+    prefill = dataclasses.replace(ec.prefill, chunk_size=chunk, prefix_caching=prefix,
+                                  bucket=ec.prefill.bucket if chunk is None else chunk)
+    return dataclasses.replace(ec, topk_source=None, prefill=prefill)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,9 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ramp-steps", type=int, default=2000,
                    help="a run that has not reached its steady state after this many steps "
                         "fails")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="asynchronous scheduling in every engine (decode step t + 1 dispatched "
+                        "before step t is collected)")
+    p.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help="prefill prompts in chunks of this many tokens, in every engine (the "
+                        "model's indexer selects instead of the drift source)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="prefix caching in every engine (per data shard on the mesh; the "
+                        "model's indexer selects instead of the drift source)")
     p.add_argument("--output", default=None,
                    help="JSON path (default: bench/results/mesh_decode-<backend>.json)")
     args = p.parse_args(argv)
+    if args.prefill_chunk_size is not None and args.prefill_chunk_size < 1:
+        p.error(f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     try:
         D, M = (int(n) for n in args.mesh.split("x"))
     except ValueError:
@@ -92,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     C = args.concurrency[0]
     counter = e2e_decode.CompileCounter()
 
+    def one(m, ec):
+        return Engine(m, with_features(ec, args))
+
     def mesh(m, ec):
-        return MeshEngine(m, ec, mesh_shape=(D, M))
+        return MeshEngine(m, with_features(ec, args), mesh_shape=(D, M))
 
     runs = {
-        "hisparse-1": _run(model, args, sizes, mode="hisparse", concurrency=C, build=None,
+        "hisparse-1": _run(model, args, sizes, mode="hisparse", concurrency=C, build=one,
                            shards=1, counter=counter),
         "hisparse-mesh": _run(model, args, sizes, mode="hisparse", concurrency=D * C,
                               build=mesh, shards=D, counter=counter),
@@ -113,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                     "backend": jax.default_backend(), "jax": jax.__version__,
                     "python": platform.python_version()},
         "config": {"mesh": [D, M], "model": args.config, "context": args.context,
-                   "concurrency_per_device": C, "turnover": args.turnover, **sizes},
+                   "concurrency_per_device": C, "turnover": args.turnover, **sizes,
+                   "async_scheduling": args.async_scheduling,
+                   "prefill_chunk_size": args.prefill_chunk_size,
+                   "prefix_caching": args.prefix_caching},
         "results": runs,
         "ratios": {"mesh_over_one_device": tps["hisparse-mesh"] / tps["hisparse-1"],
                    "hisparse_over_all_resident_on_mesh":

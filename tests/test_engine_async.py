@@ -333,10 +333,21 @@ def test_async_scheduling_takes_speculation():
     assert outs[0] == outs[1]
 
 
-def test_mesh_engine_refuses_async_scheduling():
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.async_scheduling must be "
-                                         "False"):
-        MeshEngine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
-                                                          block_size=4),
-                                              prefill=PrefillPolicy(bucket=MAX_LEN),
-                                              async_scheduling=True))
+def test_mesh_engine_schedules_asynchronously():
+    """A 1x1 mesh engine with async scheduling: the sync engine's tokens, with mesh decode
+    step t + 1 dispatched before step t is collected (drains counted). Meshes of several
+    shards, pressure and failures: `tests/test_mesh_compose.py`."""
+    engine = MeshEngine(tiny_model(), EngineConfig(sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                               block_size=4),
+                                                   prefill=PrefillPolicy(bucket=MAX_LEN),
+                                                   residency=AllResident(),
+                                                   async_scheduling=True), mesh_shape=(1, 1))
+    try:
+        reqs = [dict(prompt=_prompt(80 + i, 5 + 4 * i), max_new_tokens=6 + i,
+                     temperature=0.0 if i % 2 else 0.9, stop_token_ids=(), seed=i, arrive=i)
+                for i in range(4)]
+        want = serve(engine_of("all-resident", False), reqs)
+        assert serve(engine, reqs, check=False) == want
+        assert engine.metrics.drains > 0 and engine._loop.flight is None
+    finally:
+        engine.close()

@@ -441,7 +441,18 @@ def test_chunk_config_is_checked_at_construction(kwargs, match):
         EngineConfig(**kwargs())
 
 
-def test_the_mesh_engine_refuses_chunked_prefill():
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.prefill.chunk_size"):
-        MeshEngine(tiny_model(), EngineConfig(prefill=PrefillPolicy(chunk_size=4),
-                                              sizes=Sizes(**SIZES)))
+def test_the_mesh_engine_prefills_in_chunks(reference):
+    """A 1x1 mesh engine under pressure prefills in chunks on its shard's devices and
+    decodes the one-shot all-resident tokens. Meshes of several shards:
+    `tests/test_mesh_compose.py`."""
+    engine = MeshEngine(tiny_model(), EngineConfig(
+        prefill=PrefillPolicy(bucket=5, chunk_size=5), sizes=Sizes(**SIZES, **PRESSURE)),
+        mesh_shape=(1, 1))
+    try:
+        ids = [engine.add_request(p, max_new_tokens=GEN) for p in PROMPTS]
+        out = engine.run()
+        assert [out[rid].generated for rid in ids] == reference
+        assert engine.summary()["spilled_pages"] > 0
+        assert set(engine.shards[0].runner.trace_counts) >= {"prefill_chunk"}
+    finally:
+        engine.close()

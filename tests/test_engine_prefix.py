@@ -338,12 +338,25 @@ def test_prefix_caching_composes_with_speculation_and_async_scheduling(kwargs):
     assert config.prefill.prefix_caching
 
 
-def test_the_mesh_engine_refuses_prefix_caching():
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.prefill.prefix_caching"):
-        MeshEngine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
-                                                                    bucket=MAX_LEN),
-                                              sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
-                                                          block_size=B)))
+def test_the_mesh_engine_reuses_published_prefixes(reference):
+    """A 1x1 mesh engine with prefix caching: a second prompt sharing 16 tokens with a first
+    reuses its shard's published pages and decodes what all-resident decodes. Meshes of
+    several shards (a hit within a shard): `tests/test_mesh_compose.py`."""
+    engine = MeshEngine(tiny_model(), EngineConfig(prefill=PrefillPolicy(prefix_caching=True,
+                                                                         bucket=MAX_LEN),
+                                                   sizes=Sizes(max_seats=3, max_model_len=MAX_LEN,
+                                                               block_size=B)),
+                        mesh_shape=(1, 1))
+    try:
+        first = _tokens(4242, 23)
+        out, reused = _serve(engine, first)
+        assert reused == 0
+        _assert_same(out, reference)
+        out, reused = _serve(engine, first[:16] + _tokens(4243, 7))
+        assert reused == 16
+        _assert_same(out, reference)
+    finally:
+        engine.close()
 
 
 def test_page_keys_move_in_batches_and_touch_only_their_pages():

@@ -2,11 +2,13 @@
 
 Each test runs `tests/_mesh_worker.py` in subprocesses (the virtual device count is fixed
 before jax starts; the main suite runs on one device): meshes 4x1, 2x2 and 1x4 in one
-process, and a 2x2 mesh over two processes (`jax.distributed`, 2 devices each). Every mesh
-engine must decode, for the same requests (greedy and sampled), the tokens of the
-single-device engine; attention outputs agree to bf16 rounding (the tensor-parallel split
-and the batch shape change the float rounding of the projections, `docs/mesh.md`), but for a
-rare step where that rounding flips a near-tie of the indexer's top-k.
+process, and a 2x2 mesh over two processes (`jax.distributed`, 2 devices each; with
+asynchronous scheduling and chunked prefill). Every mesh engine must decode, for the same
+requests (greedy and sampled), the tokens of the single-device engine; attention outputs
+agree to bf16 rounding (the tensor-parallel split and the batch shape change the float
+rounding of the projections, `docs/mesh.md`), but for a rare step where that rounding flips
+a near-tie of the indexer's top-k. Features composed on meshes (async scheduling, chunked
+prefill, prefix caching, speculation): `tests/test_mesh_compose.py`.
 """
 
 from __future__ import annotations
@@ -154,8 +156,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("spec", ["2x2:pressured"])
+@pytest.mark.parametrize("spec", ["2x2:pressured:async:chunk"])
 def test_two_processes_decode_the_single_device_tokens(tmp_path, spec):
+    # Asynchronous scheduling and chunked prefill: every process dispatches the same mesh
+    # decode steps (agreed through the all-gather) and drains at the same steps.
     from hisparse_jax.engine import Engine
     from tests import _mesh_worker
 
@@ -172,5 +176,6 @@ def test_two_processes_decode_the_single_device_tokens(tmp_path, spec):
         assert r["process"] == i and r["devices"] == 4 and r["local_devices"] == 2
         assert r["shards"] == [i]  # each process drives the data shard of its devices
         assert r["tokens"] and not set(r["tokens"]) & set(merged)
+        assert r["spilled_pages"] > 0 and r["drains"] > 0  # under pressure, async
         merged.update(r["tokens"])
     assert merged == {str(i): t for i, (t, _) in ref.items()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
+from hisparse_jax.engine.metrics import Metrics
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import PendingDecode, Runner
 from hisparse_jax.engine.scheduler import Scheduler
@@ -222,23 +223,34 @@ class AsyncLoop(SyncLoop):
         return None
 
     def _recover_flights(self, flights: list[Flight], error: BaseException) -> None:
-        """Recovers decode steps in flight whose collection failed (`recover_parts` over
-        their requests not collected yet; their steps ran everything else); the open pass's
-        lists are kept, less the requests that no longer run. Notes go on `error`."""
-        sched = self.scheduler
-        saved = sched.pass_decode, sched.pass_admitted, sched.pass_chunks
-        batch, seen = [], set()
-        for flight in flights:
-            for req in flight.decode:
-                if sched.running.get(req.request_id) is req and id(req) not in seen:
-                    seen.add(id(req))
-                    batch.append(req)
-        sched.pass_decode, sched.pass_admitted, sched.pass_chunks = batch, [], []
-        try:
-            notes = recover_parts(sched, self.runner, self.ctx.metrics, flights[-1].part.st)
-        finally:
-            decode, admitted, chunks = saved
-            sched.pass_decode = [r for r in decode if sched.running.get(r.request_id) is r]
-            sched.pass_admitted = admitted  # not running yet: recovered with their pass
-            sched.pass_chunks = [r for r in chunks if sched.running.get(r.request_id) is r]
-        raise_notes(notes, error)
+        """Recovers decode steps in flight whose collection failed (`recover_in_flight`
+        over their requests not collected yet; their steps ran everything else). Notes go
+        on `error`."""
+        raise_notes(recover_in_flight(self.scheduler, self.runner, self.ctx.metrics,
+                                      [flight.decode for flight in flights],
+                                      flights[-1].part.st), error)
+
+
+def recover_in_flight(scheduler: Scheduler, runner: Runner, metrics: Metrics,
+                      batches: list[list[Request]], st: OpenStep) -> list[str]:
+    """`recover_parts` of one scheduler / runner pair over the requests of decode steps in
+    flight whose collection failed (`batches`, oldest first: those still running, each
+    once; `st`: how far the newest step got); the open pass's lists are kept, less the
+    requests that no longer run. Returns the recovery's notes (`AsyncLoop`, and each data
+    shard of the mesh engine's asynchronous loop)."""
+    sched = scheduler
+    saved = sched.pass_decode, sched.pass_admitted, sched.pass_chunks
+    batch, seen = [], set()
+    for decode in batches:
+        for req in decode:
+            if sched.running.get(req.request_id) is req and id(req) not in seen:
+                seen.add(id(req))
+                batch.append(req)
+    sched.pass_decode, sched.pass_admitted, sched.pass_chunks = batch, [], []
+    try:
+        return recover_parts(sched, runner, metrics, st)
+    finally:
+        decode, admitted, chunks = saved
+        sched.pass_decode = [r for r in decode if sched.running.get(r.request_id) is r]
+        sched.pass_admitted = admitted  # not running yet: recovered with their pass
+        sched.pass_chunks = [r for r in chunks if sched.running.get(r.request_id) is r]

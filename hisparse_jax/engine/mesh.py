@@ -24,9 +24,22 @@ The mesh has two axes, `DATA` ("data", D shards) and `MODEL` ("model", M devices
     partitioner; its operands are global arrays assembled without copies from the shards'
     arrays, and its outputs are split back the same way.
   * Per-shard work runs on the shard's devices: block-table and hot-state updates, restores
-    and spills (the plan of the shard's coordinator), and prefills (one request at a time).
-  * Admission is balanced: a waiting request goes to the data shard with the most free seats,
-    then the most free device blocks, then the lowest index (deterministic).
+    and spills (the plan of the shard's coordinator), and prefills (one request at a time;
+    with `EngineConfig.prefill.chunk_size` one chunk per request and step, the shard's
+    scheduler cutting them as the single engine's does, its `max_tokens_per_step` budget per
+    shard).
+  * The step loop (`mesh_loop.py`) is the single engine's, over every shard's part:
+    synchronous, or with `EngineConfig.async_scheduling` the mesh decode step t + 1
+    dispatched before step t is collected, fed step t's device tokens.
+  * Prefix caching (`EngineConfig.prefill.prefix_caching`) is per data shard: a shard
+    publishes its pages into its own host pool and keeps their index keys (`PageKeys`), and
+    a prompt reuses only the pages of the shard it runs on (all-resident: seat reuse within
+    the shard).
+  * Admission is balanced: a waiting request goes to the data shard with a free seat whose
+    published pages hold the longest prefix of its prompt (prefix caching), then the most
+    free seats, then the most free device blocks, then the lowest index (deterministic).
+  * Speculation (`EngineConfig.speculative`): the mesh decode step is the single engine's
+    verify step per shard; each shard's scheduler plans its requests' drafts.
 
 Sampling keys depend only on (seed, request sampling seed, token index), never on the batch
 (`hisparse_jax/engine/sampler.py`), so greedy and sampled tokens equal the single-device
@@ -55,7 +68,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hisparse_jax.cache import AllResident
 from hisparse_jax.engine import compile_cache
 from hisparse_jax.engine import warmup as _warmup
 from hisparse_jax.engine.config import EngineConfig
@@ -67,21 +79,15 @@ from hisparse_jax.engine.front import (
     checked_config,
     run_steps,
 )
-from hisparse_jax.engine.mesh_step import DATA, MODEL, MeshDecode, MeshPending, from_host, view
+from hisparse_jax.engine.mesh_loop import MeshAsyncLoop, MeshSyncLoop, ShardPageKeys
+from hisparse_jax.engine.mesh_step import DATA, MODEL, MeshDecode, from_host, view
 from hisparse_jax.engine.metrics import CompileWatch, Metrics, StepClock
+from hisparse_jax.engine.page_keys import PageKeys
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.engine.sampler import base_key
 from hisparse_jax.engine.scheduler import Scheduler
-from hisparse_jax.engine.step import (
-    OpenStep,
-    PrefillLostDevice,
-    StepContext,
-    StepPart,
-    execute,
-    raise_notes,
-    recover_parts,
-)
+from hisparse_jax.engine.step import StepContext
 from hisparse_jax.engine.warmup import reachable_variants
 from hisparse_jax.models.protocol import ServedModel, partition_specs
 from host_tier import DeviceBlockTables, HostPool
@@ -157,6 +163,7 @@ class _Shard:
     scheduler: Scheduler
     host_pool: Any
     owns_pool: bool
+    page_keys: PageKeys | None = None  # prefix caching with a host tier: its pages' keys
 
 
 class _MeshQueue:
@@ -279,13 +286,14 @@ class MeshEngine(EngineFront):
       mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`make_mesh`).
       mesh_shape: (D, M) to build one over every device instead (default: (devices, 1)).
 
-    Requests, `run`, `step`, `warmup`, `cancel`, `summary` and `close` work as on `Engine`
-    (`step` and `warmup` are collective with several processes). After an exception from
+    Requests, `run`, `step`, `drain`, `warmup`, `cancel`, `summary` and `close` work as on
+    `Engine` (`step` and `warmup` are collective with several processes). After an exception from
     `step()` every local data shard is recovered as `Engine` recovers (`step.recover_parts`);
     with several processes only when every process raised at the same point (`docs/mesh.md`).
     """
 
     host_pool = None  # each data shard has its own (`shards`)
+    _loop: MeshSyncLoop | None = None  # the step loop (set once the shards are built)
 
     def __init__(self, model: ServedModel, config: EngineConfig | None = None, *,
                  mesh: Mesh | None = None, mesh_shape: Sequence[int] | None = None) -> None:
@@ -333,9 +341,12 @@ class MeshEngine(EngineFront):
             raise
         self.scheduler = _MeshQueue(self)
         self._intake = Intake(self.scheduler, spec.vocab_size, ec)
-        self._ctx = StepContext(ec_local, spec, self.metrics, self._clock, self.row_bytes)
+        page_keys = {sh.runner: sh.page_keys for sh in self.shards if sh.page_keys is not None}
+        ctx = StepContext(ec_local, spec, self.metrics, self._clock, self.row_bytes,
+                          ShardPageKeys(page_keys) if page_keys else None)
         self.decoder = MeshDecode(mesh, self.shards, self.shards[0].runner.builder, self.params,
                                   base_key(ec.seed))
+        self._loop = (MeshAsyncLoop if ec.async_scheduling else MeshSyncLoop)(ctx, self)
 
     def _build_shard(self, model: ServedModel, d: int, devices: tuple[jax.Device, ...],
                      specs: list[P]) -> _Shard:
@@ -364,10 +375,17 @@ class MeshEngine(EngineFront):
             if owns:
                 pool.close()
             raise
-        scheduler = Scheduler(manager, transfers, cfg, self.residency, self.metrics)
+        scheduler = Scheduler(manager, transfers, cfg, self.residency, self.metrics,
+                              draft=runner.draft, vocab_size=spec.vocab_size,
+                              prefill_chunk_size=ec.prefill.chunk_size,
+                              max_prefill_tokens=ec.prefill.max_tokens_per_step)
+        # Prefix caching: the shard's host copies of its published pages' index keys
+        # (all-resident: seat reuse, the keys stay in their seat).
+        page_keys = (PageKeys(scheduler, runner, ec.sizes.block_size)
+                     if ec.prefill.prefix_caching and self.residency.reads_host else None)
         if pool is not None:  # one engine per pool (`Engine`'s host_pool rule)
             pool.claim(self)
-        return _Shard(d, devices, sharding, runner, scheduler, pool, owns)
+        return _Shard(d, devices, sharding, runner, scheduler, pool, owns, page_keys)
 
     # ------------------------------------------------------------------ state
 
@@ -382,84 +400,55 @@ class MeshEngine(EngineFront):
         t0 = time.perf_counter()
         run_steps(self, on_step, max_steps)
         self.scheduler.deliver(wait=True)
+        self._loop.prune()  # finished requests whose last copies just completed
         self.metrics.wall_seconds += time.perf_counter() - t0
         return dict(self.finished)
 
     def drain(self) -> list[Request]:
-        """Nothing is ever in flight (the mesh engine schedules synchronously): []."""
-        return []
+        """Collects the mesh decode step in flight (async scheduling; nothing otherwise);
+        returns the requests that finished in it (`Engine.drain`). Local: no collective."""
+        if self._loop is None or self._loop.flight is None:
+            return []
+        self.scheduler.newly_finished = []
+        self._loop.drain()
+        finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
+        return finished
 
-    def _shard_count(self, shard: _Shard) -> tuple[int, int, int]:
+    def _shard_rank(self, shard: _Shard, req: Request) -> tuple[bool, int, int, int, int]:
+        """How well `shard` takes `req` (`route`: the largest wins): whether it has a free
+        seat, the prompt tokens it would reuse from its published pages (prefix caching),
+        its free seats, its free device blocks, minus its index."""
         s = shard.scheduler
         free_seats = self.hs_config.max_num_reqs - len(s.running) - len(s.waiting)
-        return free_seats, s.manager.device_pool.num_free, -shard.index
+        cached = (s.manager.cached_tokens(req.prompt)
+                  if free_seats > 0 and self.config.prefill.prefix_caching else 0)
+        return free_seats > 0, cached, free_seats, s.manager.device_pool.num_free, -shard.index
 
-    def _route(self) -> None:
-        """Hands waiting requests, in order, to the data shard with the most free seats, then
-        the most free device blocks, then the lowest index, while one has a free seat."""
+    def route(self) -> None:
+        """Hands waiting requests, in order, to a data shard with a free seat while one has
+        one: with prefix caching the shard whose published pages hold the longest prefix of
+        the prompt (a prefix is reused only within its shard); else, and on a tie, the shard
+        with the most free seats, then the most free device blocks, then the lowest index.
+        Several processes route at `add_request` instead (round-robin)."""
         queue = self.scheduler.waiting
         while queue:
-            shard = max(self.shards, key=self._shard_count)
-            if self._shard_count(shard)[0] <= 0:
+            req = queue[0]
+            shard = max(self.shards, key=lambda sh: self._shard_rank(sh, req))
+            if not self._shard_rank(shard, req)[0]:
                 return
             shard.scheduler.submit(queue.popleft())
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Request]:
-        """One scheduler pass per data shard and one mesh decode step (`Engine.step`; the
-        plans run through `step.execute`). After an exception each local shard is recovered
-        (`step.recover_parts`). Collective with several processes."""
+        """One scheduler pass per data shard and one mesh decode step (`Engine.step`, through
+        `mesh_loop.MeshSyncLoop`, or `MeshAsyncLoop` with async scheduling: the mesh decode
+        step left in flight, collected by the next call). After an exception each local
+        shard is recovered (`step.recover_parts`). Collective with several processes."""
         self.scheduler.newly_finished = []
-        parts = [StepPart(sh.scheduler, sh.runner, OpenStep(pass_open=False))
-                 for sh in self.shards]
-        try:
-            self._step(parts)
-        except PrefillLostDevice:
-            self._recover(parts, None)
-        except BaseException as e:
-            self._recover(parts, e)
-            raise
+        self._loop.step()
         finished, self.scheduler.newly_finished = self.scheduler.newly_finished, []
         return finished
-
-    def _step(self, parts: list[StepPart]) -> None:
-        self._route()
-        scheduled = [part for part in parts if part.schedule() is not None]
-        pending = execute(self._ctx, scheduled, lambda: self._dispatch(scheduled))
-        if any(part.scheduled.admitted for part in scheduled):
-            self.decoder.topk_global = None  # their prefills admitted them into top-k states
-        if pending is not None:
-            self.decoder.collect(self._ctx, pending)
-
-    def _dispatch(self, scheduled: list[StepPart]) -> MeshPending | None:
-        """The mesh decode step of the shards' decode requests, run whenever any process
-        has one; the mode's host-reading variant whenever any shard needs it."""
-        decoding = [p.scheduled for p in scheduled if p.scheduled.decode]
-        flags = np.array([bool(decoding), any(s.residency.reads_host for s in decoding)],
-                         np.int32)
-        if self.multi_process:
-            flags = np.any(_compat.process_allgather(flags), axis=0)
-        if scheduled or flags[0]:
-            self.metrics.steps += 1
-        if not flags[0]:
-            return None
-        residency = self.residency if flags[1] else AllResident()
-        index = {id(sh.scheduler): sh.index for sh in self.shards}
-        return self.decoder.dispatch(
-            {index[id(p.scheduler)]: p.scheduled.decode for p in scheduled}, residency)
-
-    def _recover(self, parts: list[StepPart], error: BaseException | None) -> None:
-        """`recover_parts` per data shard (the failed step's batch of every shard preempted,
-        its admissions requeued, its manager pass closed, unsent transfers reported failed,
-        lost device arrays rebuilt). Single-process: with several processes it runs on each
-        process's own shards only (`docs/mesh.md`)."""
-        notes: list[str] = []
-        for sh, part in zip(self.shards, parts, strict=True):
-            notes += [f"data shard {sh.index}: {n}" for n in
-                      recover_parts(sh.scheduler, sh.runner, self.metrics, part.st)]
-        self.decoder.topk_global = None  # a shard's top-k state may have been rebuilt
-        raise_notes(notes, error)
 
     # ------------------------------------------------------------------ the rest
 
@@ -483,12 +472,8 @@ class MeshEngine(EngineFront):
                 max_spill_pages=_warmup.spill_budget(sh.scheduler.manager),
                 decode=False)
         self.decoder.topk_global = None  # a top-k source's warmup admission rewrote a seat
-        n = self.num_data_shards * self.hs_config.max_num_reqs
-        zeros = np.zeros(n, np.int32)
         for name, residency in reachable_variants(self.residency):
-            jax.block_until_ready(self.decoder.run(
-                residency, zeros, zeros, np.full(n, -1, np.int32), np.zeros(n, np.float32),
-                zeros, zeros))
+            jax.block_until_ready(self.decoder.run(residency, self.decoder.idle_inputs()))
             variants.append(name)
         self._clock.mark_compiled(variants)
         seconds = time.perf_counter() - t0
@@ -506,11 +491,15 @@ class MeshEngine(EngineFront):
         return int(sum(sh.host_pool.nbytes for sh in self.shards if sh.host_pool is not None))
 
     def close(self) -> None:
-        """Waits for every copy into the host pools; closes them. A closed engine takes no
-        request."""
+        """Collects the mesh decode step in flight (async scheduling), waits for every copy
+        into the host pools; closes them. A closed engine takes no request."""
         self._closed = True
+        try:
+            self.drain()
+        finally:
+            for sh in self.shards:  # no copy into a pool outlives the engine
+                sh.scheduler.deliver(wait=True)
         for sh in self.shards:
-            sh.scheduler.deliver(wait=True)
             if sh.host_pool is not None:
                 sh.host_pool.release(self)
             if sh.owns_pool:
@@ -518,19 +507,14 @@ class MeshEngine(EngineFront):
 
 
 def _check_mesh_config(config: EngineConfig) -> None:
-    """ValueError for the `EngineConfig` features the mesh engine does not serve yet."""
-    if config.num_speculative_tokens:
-        raise ValueError("MeshEngine: EngineConfig.speculative.num_tokens must be 0 (the "
-                         "mesh engine does not verify drafts yet; use Engine)")
-    if config.prefill.chunk_size is not None:
-        raise ValueError("MeshEngine: EngineConfig.prefill.chunk_size must be None (the "
-                         "mesh engine prefills in one shot; use Engine)")
-    if config.async_scheduling:
-        raise ValueError("MeshEngine: EngineConfig.async_scheduling must be False (the "
-                         "mesh engine schedules synchronously; use Engine)")
-    if config.prefill.prefix_caching:
-        raise ValueError("MeshEngine: EngineConfig.prefill.prefix_caching must be False (the "
-                         "mesh engine does not reuse published prefixes yet; use Engine)")
+    """ValueError for the `EngineConfig` combinations the mesh engine cannot serve."""
+    if config.async_scheduling and config.num_speculative_tokens:
+        raise ValueError(
+            "MeshEngine: EngineConfig.async_scheduling needs EngineConfig.speculative=None "
+            "over a mesh: the mesh decode step t + 1 takes from step t on the devices one "
+            "sampled token per row (at the position the host planned), while a speculative "
+            "step's next rows start after its accepted drafts, a count only step t's "
+            "collection brings to the host")
 
 
 def _checked_mesh(mesh: Mesh | None, mesh_shape: Sequence[int] | None) -> Mesh:

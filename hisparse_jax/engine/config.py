@@ -92,7 +92,7 @@ class EngineConfig:
         row of the next step is dropped, never emitted); on anything unusual the engine
         drains to a synchronous step. Same tokens as the synchronous engine. With
         speculation a step's accepted drafts stay on the device too (the next step continues
-        from them; with a host draft source each step collects first). Not in `MeshEngine`.
+        from them; with a host draft source each step collects first).
       seed: int in [0, 2**32) (default 0): the sampling seed. The key of request r's i-th
         sampled token is a function of (seed, r's sampling seed (by default its add_request
         order index), i) only (`hisparse_jax.engine.sampler.token_keys`).

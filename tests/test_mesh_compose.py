@@ -30,6 +30,7 @@ COMBINATIONS = [
     "2x1:all_resident:mtp",
     "2x1:pressured:async:mtp",  # step t + 1 continues step t's MTP drafts on the devices
     "2x2:all_resident:async:devdraft:prefix:chunk",  # on-device drafts, all four features
+    "2x1:all_resident:async:scripted",  # host drafts: each step collects before planning
 ]
 ALL_THREE = [c for c in COMBINATIONS if {"async", "chunk", "prefix"} <= set(c.split(":"))]
 
@@ -137,14 +138,19 @@ def test_speculation_on_the_mesh(composed):
 def test_async_speculation_on_the_mesh(composed):
     # Step t + 1 dispatched before step t's accepted counts reach the host: its rows
     # continue from step t's outputs on the devices (MTP drafts, and scripted device drafts
-    # right or wrong, with prefix caching and chunked prefill), the tokens equal the
-    # reference's (`test_every_combination_decodes_the_reference_tokens`).
+    # right or wrong, with prefix caching and chunked prefill; host drafts collect first),
+    # the tokens equal the reference's (`test_every_combination_decodes_the_reference_tokens`).
     mtp = composed["2x1:pressured:async:mtp"]["summary"]
     assert mtp["draft_tokens"] > 0 and mtp["spilled_pages"] > 0
     devdraft = composed["2x2:all_resident:async:devdraft:prefix:chunk"]["summary"]
     assert 0 < devdraft["accepted_tokens"] < devdraft["draft_tokens"]
     assert devdraft["tokens_per_request_step"] > 1.0
     assert devdraft["prefix_hit_tokens"] > 0
+    # A host draft source proposes from accepted tokens: every mesh decode step is collected
+    # before the next one is planned (`AsyncLoop.plans_after_collecting`).
+    host = composed["2x1:all_resident:async:scripted"]["summary"]
+    assert 0 < host["accepted_tokens"] < host["draft_tokens"]
+    assert host["drains"] == host["decode_steps"] > 0
 
 
 def test_async_speculation_is_accepted():

@@ -18,7 +18,8 @@ the device count must be set before jax starts, and the main suite runs with one
       synchronous, one-shot, all-resident single-device engine (`AllResidentReference`).
       Features: "async" (async scheduling), "chunk" (prefill chunks of 8), "prefix"
       (prefix caching), "mtp" (speculation with the model's MTP drafts, k=2), "scripted"
-      (k=2 drafts scripted right or wrong from the reference), "warmup" (`warmup()`
+      (k=2 drafts scripted right or wrong from the reference), "devdraft" (the same drafts
+      made inside the decode step: `DeviceScriptedDraft`), "warmup" (`warmup()`
       first; the compiles of the run counted), "faults" (then the requests again with
       failures injected, `compose_faults`).
 """
@@ -327,6 +328,31 @@ class _ReferenceDraft:
         return Drafts({}, lambda i, j: accept(j))
 
 
+def _device_draft(reference, accept):
+    """A `DeviceScriptedDraft` of the reference tokens of every request `compose_run` serves
+    (a second turn's prompt: its first turn's reference tokens), keyed by sampling seed,
+    right when accept(j) (generated token index j)."""
+    import types
+
+    from hisparse_jax.draft_sources import DeviceScriptedDraft
+
+    def ref(key, prompt, n, temperature):
+        seed = sum(map(ord, key))
+        out = reference(types.SimpleNamespace(
+            prompt=tuple(prompt), max_new_tokens=n, temperature=temperature,
+            stop_token_ids=frozenset(), sampling_seed=seed))[1]
+        known[seed] = out
+        return out
+
+    first, follow = _turns()
+    known = {}
+    for key, prompt, n, temperature, _ in first:
+        out = ref(key, prompt, n, temperature)
+        if key in follow:
+            ref(key + "+", [*prompt, *out, *follow[key]], 6, temperature)
+    return DeviceScriptedDraft(known, lambda seed, j: accept(j))
+
+
 def _compose_engine(spec, model, reference):
     import jax
 
@@ -349,6 +375,9 @@ def _compose_engine(spec, model, reference):
     elif "scripted" in features:
         speculative = Speculative(num_tokens=SPEC_K,
                                   draft=_ReferenceDraft(reference, lambda j: j % 3 != 2))
+    elif "devdraft" in features:
+        speculative = Speculative(num_tokens=SPEC_K,
+                                  draft=_device_draft(reference, lambda j: j % 3 != 2))
     sizes = {**COMPOSE_SIZES, **COMPOSE_MODES[mode]}
     if speculative is not None and mode == "pressured":
         sizes["num_gpu_blocks"] = 40  # a hot region of 2 (1 + k) top-k rows

@@ -1,5 +1,6 @@
 """Serving features composed on the mesh engine (`docs/mesh.md`): asynchronous scheduling,
-chunked prefill, prefix caching (per data shard) and speculation, on 2x1 and 2x2 meshes of
+chunked prefill, prefix caching (per data shard) and speculation (with async scheduling
+too: the next mesh step continues the drafts on the devices), on 2x1 and 2x2 meshes of
 virtual CPU devices, under HiSparse pool pressure and all-resident.
 
 One subprocess (`tests/_mesh_worker.py compose`: the device count is fixed before jax
@@ -13,7 +14,6 @@ asynchronous 2x2 engine then serves the mix again with failures injected once ea
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 
@@ -28,6 +28,9 @@ COMBINATIONS = [
     "2x1:all_resident:async:chunk:prefix",  # all three
     "2x2:pressured:scripted:chunk",
     "2x1:all_resident:mtp",
+    "2x1:pressured:async:mtp",  # step t + 1 continues step t's MTP drafts on the devices
+    "2x2:all_resident:async:devdraft:prefix:chunk",  # on-device drafts, all four features
+    "2x1:all_resident:async:scripted",  # host drafts: each step collects before planning
 ]
 ALL_THREE = [c for c in COMBINATIONS if {"async", "chunk", "prefix"} <= set(c.split(":"))]
 
@@ -132,15 +135,33 @@ def test_speculation_on_the_mesh(composed):
     assert mtp["draft_tokens"] > 0
 
 
-def test_async_speculation_is_refused_naming_why():
-    from hisparse_jax.engine import EngineConfig, Speculative
-    from hisparse_jax.engine.mesh import _check_mesh_config
+def test_async_speculation_on_the_mesh(composed):
+    # Step t + 1 dispatched before step t's accepted counts reach the host: its rows
+    # continue from step t's outputs on the devices (MTP drafts, and scripted device drafts
+    # right or wrong, with prefix caching and chunked prefill; host drafts collect first),
+    # the tokens equal the reference's (`test_every_combination_decodes_the_reference_tokens`).
+    mtp = composed["2x1:pressured:async:mtp"]["summary"]
+    assert mtp["draft_tokens"] > 0 and mtp["spilled_pages"] > 0
+    devdraft = composed["2x2:all_resident:async:devdraft:prefix:chunk"]["summary"]
+    assert 0 < devdraft["accepted_tokens"] < devdraft["draft_tokens"]
+    assert devdraft["tokens_per_request_step"] > 1.0
+    assert devdraft["prefix_hit_tokens"] > 0
+    # A host draft source proposes from accepted tokens: every mesh decode step is collected
+    # before the next one is planned (`AsyncLoop.plans_after_collecting`).
+    host = composed["2x1:all_resident:async:scripted"]["summary"]
+    assert 0 < host["accepted_tokens"] < host["draft_tokens"]
+    assert host["drains"] == host["decode_steps"] > 0
 
-    try:
-        config = EngineConfig(async_scheduling=True, speculative=Speculative(num_tokens=2))
-    except ValueError:  # the single engine's own rule refuses it first
-        config = types.SimpleNamespace(async_scheduling=True, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="MeshEngine: EngineConfig.async_scheduling needs "
-                                         "EngineConfig.speculative=None over a mesh: .*"
-                                         "accepted drafts"):
-        _check_mesh_config(config)
+
+def test_async_speculation_is_accepted():
+    # The mesh engine takes async scheduling with speculation (once refused: the next mesh
+    # step could not continue a step whose accepted counts were still on the devices).
+    from hisparse_jax import models
+    from hisparse_jax.engine import EngineConfig, Sizes, Speculative
+    from hisparse_jax.engine.mesh import MeshEngine
+
+    model = models.init_model(models.get_config("tiny", mtp_layers=1), seed=0)
+    engine = MeshEngine(model, EngineConfig(
+        sizes=Sizes(max_seats=2, max_model_len=32, block_size=4), async_scheduling=True,
+        speculative=Speculative(num_tokens=2), compilation_cache=False), mesh_shape=(1, 1))
+    engine.close()

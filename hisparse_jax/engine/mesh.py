@@ -39,7 +39,10 @@ The mesh has two axes, `DATA` ("data", D shards) and `MODEL` ("model", M devices
     published pages hold the longest prefix of its prompt (prefix caching), then the most
     free seats, then the most free device blocks, then the lowest index (deterministic).
   * Speculation (`EngineConfig.speculative`): the mesh decode step is the single engine's
-    verify step per shard; each shard's scheduler plans its requests' drafts.
+    verify step per shard; each shard's scheduler plans its requests' drafts. With async
+    scheduling a shard's rows of step t + 1 continue step t's requests from its accepted
+    counts and on-device drafts on the devices (`step_builder.feed_previous`), or a host
+    draft source collects step t first, as the single engine's `AsyncLoop` does.
 
 Sampling keys depend only on (seed, request sampling seed, token index), never on the batch
 (`hisparse_jax/engine/sampler.py`), so greedy and sampled tokens equal the single-device
@@ -298,7 +301,6 @@ class MeshEngine(EngineFront):
     def __init__(self, model: ServedModel, config: EngineConfig | None = None, *,
                  mesh: Mesh | None = None, mesh_shape: Sequence[int] | None = None) -> None:
         config, spec = checked_config("MeshEngine", model, config)
-        _check_mesh_config(config)
         self.spec = spec
         self.mesh = mesh = _checked_mesh(mesh, mesh_shape)
         D, M = mesh.shape[DATA], mesh.shape[MODEL]
@@ -504,17 +506,6 @@ class MeshEngine(EngineFront):
                 sh.host_pool.release(self)
             if sh.owns_pool:
                 sh.host_pool.close()
-
-
-def _check_mesh_config(config: EngineConfig) -> None:
-    """ValueError for the `EngineConfig` combinations the mesh engine cannot serve."""
-    if config.async_scheduling and config.num_speculative_tokens:
-        raise ValueError(
-            "MeshEngine: EngineConfig.async_scheduling needs EngineConfig.speculative=None "
-            "over a mesh: the mesh decode step t + 1 takes from step t on the devices one "
-            "sampled token per row (at the position the host planned), while a speculative "
-            "step's next rows start after its accepted drafts, a count only step t's "
-            "collection brings to the host")
 
 
 def _checked_mesh(mesh: Mesh | None, mesh_shape: Sequence[int] | None) -> Mesh:

@@ -12,12 +12,14 @@ run while it computes.
 
 Asynchronous scheduling (`MeshAsyncLoop`): the mesh decode step t + 1 is dispatched before
 step t is collected, each shard's rows of it fed step t's sampled tokens on the devices
-(`MeshDecode.dispatch`'s `prev`); a stop token is learned a step late and the row dropped;
-an exception, or a step with no decode anywhere, collects step t first (a drain), exactly
-as `AsyncLoop` does per pair. With several processes every process takes the same
-decisions: a mesh decode step is dispatched whenever any process has a decode request (the
-small all-gather of `MeshSyncLoop._dispatch`), so a step is in flight on every process or
-on none, and every process drains at the same step.
+(`MeshDecode.dispatch`'s `prev`; with speculation they continue from step t's accepted
+counts and on-device drafts, while each shard's scheduler reserves for every outcome, as
+`loops.AsyncLoop` does; a host draft source collects step t first); a stop token is
+learned a step late and the row dropped; an exception, or a step with no decode anywhere,
+collects step t first (a drain), exactly as `AsyncLoop` does per pair. With several
+processes every process takes the same decisions: a mesh decode step is dispatched whenever
+any process has a decode request (the small all-gather of `MeshSyncLoop._dispatch`), so a
+step is in flight on every process or on none, and every process drains at the same step.
 
 Prefix caching is per data shard: each shard's coordinator publishes its own pages into
 its own host pool, and its `PageKeys` keeps their index keys (`ShardPageKeys` routes the
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hisparse_jax.cache import AllResident
-from hisparse_jax.engine.loops import recover_in_flight
+from hisparse_jax.engine.loops import AsyncLoop, recover_in_flight
 from hisparse_jax.engine.mesh_step import MeshPending
 from hisparse_jax.engine.page_keys import PageKeys
 from hisparse_jax.engine.request import Request
@@ -88,9 +90,12 @@ class MeshFlight:
     fed: dict[int, list[tuple[Request, int]]]
 
     def ids(self, shard: int) -> frozenset[Hashable]:
-        """The ids of data shard `shard`'s requests in this step (each shard's pass counts
-        only its own requests in flight, as `AsyncLoop`'s pass does)."""
-        return frozenset(r.request_id for r in self.batches.get(shard, ()))
+        """The ids of data shard `shard`'s requests in this step that still run (each
+        shard's pass counts only its own requests in flight, as `AsyncLoop`'s pass does; a
+        request the previous step's collection finished, e.g. by length after accepted
+        drafts, is no longer the shard's)."""
+        return frozenset(r.request_id for r in self.batches.get(shard, ())
+                         if r.finish_reason is None)
 
 
 class MeshSyncLoop:
@@ -200,11 +205,20 @@ class MeshAsyncLoop(MeshSyncLoop):
         self.flight: MeshFlight | None = None  # the mesh decode step in flight
         self.collected_at: float | None = None  # when the last one was collected
 
+    # A host draft source proposes from accepted tokens: step t is collected before step
+    # t + 1 is planned (the same rule on every process: the config is the same).
+    plans_after_collecting = AsyncLoop.plans_after_collecting
+
     def step(self) -> None:
         """Launches step t + 1 while step t (`flight`) runs, then collects step t. On an
         exception step t is collected first (its tokens kept), then every shard's part of
         step t + 1 is recovered as a synchronous step's is; a failed collection recovers
-        step t and the step launched after it (`_land`)."""
+        step t and the step launched after it (`_land`). With speculation each shard's rows
+        of step t continue in step t + 1 from step t's outputs on the devices (its accepted
+        counts and drafts, `MeshDecode.dispatch`), or with a host draft source step t is
+        collected first (`plans_after_collecting`)."""
+        if self.plans_after_collecting:
+            self.drain()
         prev, self.flight = self.flight, None
         parts = self._parts()
         try:

@@ -14,8 +14,11 @@ tokens, and drafts and counts with speculation; its hit / miss sums and rows mov
 int32 array, aux["to_host"] ([D * n], sharded over "data"): a shard's block is unpacked by
 its own runner (`Runner.collect_decode`), so a shard's result is exactly what the single
 engine's runner reads of its own step. With asynchronous scheduling the step also takes
-prev_index (int32[D * seats], a row's local seat in the previous step, -1: the host token)
-and that step's sampled tokens (`MeshPending.tokens`, still on the devices).
+prev_index (int32[D * seats], a row's local seat in the previous step, -1: the host's
+inputs), with speculation draft_end (int32[D * seats], `fill_decode_inputs`), and that
+step's outputs (`MeshPending.tokens`, still on the devices: the sampled tokens, or the verify
+step's tokens, accepted counts and next drafts); each shard feeds its rows from its own
+block of them as the single engine's step does (`step_builder.feed_previous`).
 """
 
 from __future__ import annotations
@@ -33,12 +36,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hisparse_jax.cache import Residency
-from hisparse_jax.engine.device_state import with_residency
+from hisparse_jax.engine.device_state import no_prev_tokens, with_residency
 from hisparse_jax.engine.metrics import CompileWatch
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import DecodeResult, PendingDecode, fill_decode_inputs
 from hisparse_jax.engine.step import StepContext, record_decode
-from hisparse_jax.engine.step_builder import StepBuilder, idle_inputs, variant_name
+from hisparse_jax.engine.step_builder import (
+    StepBuilder,
+    feed_previous,
+    idle_inputs,
+    variant_name,
+)
 from hisparse_jax.index_groups import layer_rows
 from pallas_kernels import _compat
 
@@ -61,8 +69,10 @@ def view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.A
 @dataclasses.dataclass(frozen=True)
 class MeshPending:
     """A dispatched mesh decode step: its requests by data shard, its outputs (global
-    arrays: `tokens` the sampled tokens, int32[D * seats] by row, which the next step reads
-    with async scheduling), when it was dispatched and the compile count then."""
+    arrays: `tokens` the sampled tokens, int32[D * seats] by row, or with speculation the
+    verify step's (tokens, counts, drafts), which the next step reads with async
+    scheduling), when it was dispatched, the compile count then, and with speculation the
+    draft rows the host filled (int[D * seats], `PendingDecode.draft_rows`)."""
 
     decode: dict[int, list[Request]]
     residency: Residency
@@ -70,6 +80,7 @@ class MeshPending:
     aux: dict[str, jax.Array]
     started: float
     compiles: int
+    draft_rows: np.ndarray | None = None
 
 
 class MeshDecode:
@@ -95,8 +106,8 @@ class MeshDecode:
         self.jitted: dict[str, Any] = {}
         self.topk_global: Any = None  # the shards' top-k states, stacked (after admissions)
         self.key = from_host(np.asarray(jax.device_get(base_key)), NamedSharding(mesh, P()))
-        self.no_prev_tokens = (self._host_array(np.zeros(self.num_data_shards * self.seats,
-                                                         np.int32))
+        self.no_prev_tokens = (jax.tree.map(self._host_array, no_prev_tokens(
+            self.num_data_shards * self.seats, self.num_speculative_tokens))
                                if self.feeds_back else None)
 
     def _global(self, parts: Sequence[jax.Array], *, memory_kind: str | None = None
@@ -136,10 +147,11 @@ class MeshDecode:
                  temperature, key, seeds, topk_state, steps, *prev):
             counts[name] += 1  # once per trace
             topk_state = jax.tree.map(lambda x: x[0], topk_state)
-            if prev:  # async: a row's token from the previous step's device tokens
-                prev_index, prev_tokens = prev
-                taken = prev_tokens[jnp.maximum(prev_index, 0)]
-                tokens = jnp.where(prev_index >= 0, taken, tokens)
+            if prev:  # async: rows fed by this shard's block of the previous step's outputs
+                prev_index, prev_out = prev[0], prev[-1]
+                draft_end = prev[1] if len(prev) == 3 else None  # speculation
+                tokens, positions, steps = feed_previous(
+                    tokens, positions, steps, prev_index, draft_end, prev_out)
             out, cache, aux = fn(params, cache, tokens, positions, state_rows, tables,
                                  host_pools, temperature, key, seeds, topk_state, steps)
             # What the host reads of this shard's step, as one array (`jit_decode`'s layout).
@@ -156,7 +168,7 @@ class MeshDecode:
         aux = {"to_host": d}
         if self.builder.config.debug.collect_attention:
             aux["attention"] = P(None, DATA)
-        extra = (d, d) if self.feeds_back else ()
+        extra = (d,) * (2 + bool(self.num_speculative_tokens)) if self.feeds_back else ()
         mapped = _compat.shard_map(
             body, mesh=self.mesh, in_specs=(P(), d, d, d, d, d, d, d, P(), d, d, d, *extra),
             out_specs=(d, d, aux), manual_axes=(DATA,))
@@ -176,28 +188,35 @@ class MeshDecode:
                  ahead: dict[int, frozenset[Hashable]] | None = None) -> MeshPending:
         """Launches the mesh decode step of `residency`'s variant for each shard's `decode`
         requests (state rows local to the shard). Async scheduling: `prev` is the mesh step
-        still in flight and `ahead[d]` shard d's requests of it scheduled again; their token
-        is `prev`'s device token where the host does not know it (`fill_decode_inputs`)."""
-        S = self.seats
+        still in flight and `ahead[d]` shard d's requests of it scheduled again; their rows
+        are fed from `prev`'s outputs on the devices where the host does not know them
+        (`fill_decode_inputs`; with speculation they continue `prev`'s drafts,
+        `step_builder.continue_speculation`), as `Runner.dispatch_decode` does."""
+        S, rows = self.seats, self.num_data_shards * self.seats
         inputs = self.idle_inputs()
-        prev_index = (np.full(self.num_data_shards * S, -1, np.int32) if self.feeds_back
-                      else None)
+        prev_index = np.full(rows, -1, np.int32) if self.feeds_back else None
+        spec = self.num_speculative_tokens
+        draft_end = np.zeros(rows, np.int32) if self.feeds_back and spec else None
         for d, reqs in decode.items():
             fill_decode_inputs(reqs, inputs, offset=d * S,
-                               ahead=(ahead or {}).get(d, frozenset()), prev_index=prev_index)
+                               ahead=(ahead or {}).get(d, frozenset()), prev_index=prev_index,
+                               draft_end=draft_end, max_model_len=self.builder.cfg.max_model_len)
         compiles = CompileWatch.count
         t0 = time.perf_counter()
         next_tokens, aux = self.run(residency, inputs, prev_index=prev_index,
+                                    draft_end=draft_end,
                                     prev_tokens=None if prev is None else prev.tokens)
-        return MeshPending(decode, residency, next_tokens, aux, t0, compiles)
+        draft_rows = (inputs[1][:, 1:] >= 0).sum(1) if spec else None
+        return MeshPending(decode, residency, next_tokens, aux, t0, compiles, draft_rows)
 
     def run(self, residency: Residency, inputs: tuple[np.ndarray, ...], *,
-            prev_index: np.ndarray | None = None, prev_tokens: jax.Array | None = None
-            ) -> tuple[Any, dict]:
+            prev_index: np.ndarray | None = None, prev_tokens: Any = None,
+            draft_end: np.ndarray | None = None) -> tuple[Any, dict]:
         """The mesh decode step of `residency`'s variant on host-built [D * seats] operands
         (`idle_inputs`' layout); the shards' runners get the new caches. With async
-        scheduling `prev_index` (default every row -1) and `prev_tokens` (default zeros).
-        Returns (sampled tokens, aux)."""
+        scheduling `prev_index` (default every row -1), with speculation `draft_end`
+        (default zeros: read only for fed rows), and `prev_tokens` (a previous step's
+        `MeshPending.tokens`; default zeros). Returns (sampled tokens, aux)."""
         tokens, positions, state_rows, temperature, seeds, steps = inputs
         runners = [sh.runner for sh in self.shards]
         cache = self._global_tree([with_residency(r.cache, residency) for r in runners])
@@ -213,8 +232,11 @@ class MeshDecode:
         if self.feeds_back:
             if prev_index is None:
                 prev_index = np.full(len(state_rows), -1, np.int32)
-            extra = (self._host_array(prev_index),
-                     self.no_prev_tokens if prev_tokens is None else prev_tokens)
+            extra = (self._host_array(prev_index),)
+            if self.num_speculative_tokens:
+                extra += (self._host_array(np.zeros(len(state_rows), np.int32)
+                                           if draft_end is None else draft_end),)
+            extra += (self.no_prev_tokens if prev_tokens is None else prev_tokens,)
         host = [self._host_array(a) for a in (tokens, positions, state_rows)]
         next_tokens, cache, aux = self._jit(residency)(
             self.params, cache, *host, tables, pools, self._host_array(temperature), self.key,
@@ -241,9 +263,12 @@ class MeshDecode:
             if "attention" in pending.aux:
                 aux["attention"] = self._local(pending.aux["attention"], sh, axis=1)
             tokens = jax.tree.map(lambda x, sh=sh: self._local(x, sh), pending.tokens)
-            out[sh.index] = sh.runner.collect_decode(PendingDecode(
-                pending.decode.get(sh.index, []), pending.residency, pending.started, tokens,
-                aux, pending.compiles), since=since)
+            S, d = self.seats, sh.index
+            draft_rows = (None if pending.draft_rows is None
+                          else pending.draft_rows[d * S:(d + 1) * S])
+            out[d] = sh.runner.collect_decode(PendingDecode(
+                pending.decode.get(d, []), pending.residency, pending.started, tokens, aux,
+                pending.compiles, draft_rows), since=since)
         return out
 
     def collect(self, ctx: StepContext, pending: MeshPending, *,

@@ -102,6 +102,22 @@ def continue_speculation(tokens: jax.Array, positions: jax.Array, steps: jax.Arr
     return tokens, jnp.where(past, -1, moved), steps + a
 
 
+def feed_previous(tokens: jax.Array, positions: jax.Array, steps: jax.Array,
+                  prev_index: jax.Array, draft_end: jax.Array | None, prev: Any
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An async decode step's (tokens, positions, steps) with the rows whose previous step is
+    still on the device fed from its outputs (inside jit; shared by `StepBuilder.jit_decode`
+    and the mesh engine's step, per data shard). prev_index int32[S]: a row's seat in the
+    previous step, -1: the host's inputs stand. Without speculation (draft_end None) `prev`
+    is that step's sampled tokens int32[S] and such a row takes its seat's token; with
+    speculation `continue_speculation` (draft_end int32[S], `prev` the verify step's
+    outputs)."""
+    if draft_end is not None:
+        return continue_speculation(tokens, positions, steps, prev_index, draft_end, prev)
+    taken = prev[jnp.maximum(prev_index, 0)]
+    return jnp.where(prev_index >= 0, taken, tokens), positions, steps
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepBuilder:
     """Builds one engine's jitted steps (module docstring) from static facts.
@@ -211,14 +227,11 @@ class StepBuilder:
                 parts.append(part if dtype == np.int32
                              else jax.lax.bitcast_convert_type(part, dtype))
                 at += size
-            if feeds_back and speculative:  # rows continuing the previous step's drafts
-                draft_end, prev_index = parts.pop(), parts.pop()
-                parts[0], parts[1], parts[5] = continue_speculation(
-                    parts[0], parts[1], parts[5], prev_index, draft_end, prev_tokens)
-            elif feeds_back:  # a row's token from the previous step's device tokens
+            if feeds_back:  # rows fed by the previous step's device outputs
+                draft_end = parts.pop() if speculative else None
                 prev_index = parts.pop()
-                taken = prev_tokens[jnp.maximum(prev_index, 0)]
-                parts[0] = jnp.where(prev_index >= 0, taken, parts[0])
+                parts[0], parts[1], parts[5] = feed_previous(
+                    parts[0], parts[1], parts[5], prev_index, draft_end, prev_tokens)
             table_size = table_update_size(tables, TABLE_FOLD_ROWS)
             tables = set_rows(tuple(tables), inputs[at:at + table_size], size=TABLE_FOLD_ROWS)
             kv = cache.kv

@@ -21,7 +21,7 @@ if __name__ == "__main__":
     from tests._mesh_worker import cpu_devices_flags
 
     os.environ["XLA_FLAGS"] = cpu_devices_flags(4)
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
 
     from tests import compose
 
@@ -40,6 +40,8 @@ if __name__ == "__main__":
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(f=compose.features(mesh=True), mix=compose.mixes())
+    @example(f=compose.everything("2x2")[0], mix=compose.EVERYTHING_MIX)
+    @example(f=compose.everything("2x1")[1], mix=compose.EVERYTHING_MIX)
     def check(f, mix):
         engine = compose.build_engine(f)
         try:

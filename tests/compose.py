@@ -73,9 +73,7 @@ class Features:
 def features(*, mesh: bool = False) -> st.SearchStrategy[Features]:
     """Random feature sets that the engine accepts; with `mesh`, a mesh shape too (the caller
     runs under 4 virtual devices). Left out: prefix caching with naive offload (refused: that
-    ablation reads every row from the host and keeps nothing on the device to reuse), and
-    on a mesh asynchronous scheduling with speculation (refused by `MeshEngine`, which says
-    why)."""
+    ablation reads every row from the host and keeps nothing on the device to reuse)."""
     return st.builds(
         Features,
         async_scheduling=st.booleans(),
@@ -90,9 +88,7 @@ def features(*, mesh: bool = False) -> st.SearchStrategy[Features]:
 
 def accepted(f: Features) -> bool:
     """Whether the engine takes `f` (`features`' docstring says what it leaves out)."""
-    if f.residency == "naive" and f.prefix_caching:
-        return False
-    return not (f.mesh and f.async_scheduling and f.spec_k)
+    return not (f.residency == "naive" and f.prefix_caching)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,3 +283,16 @@ class _Probe:
     temperature: float
     stop_token_ids: tuple[int, ...]
     sampling_seed: int
+
+
+# Every feature at once: each test also runs these examples (hypothesis' @example).
+EVERYTHING_MIX = Mix(system_prefix=9, first_prompts=(12, 5, 20),
+                     turns=((Turn(3, 6, 0.0, False), Turn(4, 5, 0.8, True)),
+                            (Turn(2, 7, 0.0, True),),
+                            (Turn(5, 4, 0.8, False), Turn(2, 3, 0.0, False))), seed=3)
+
+
+def everything(mesh: str | None = None) -> list[Features]:
+    return [Features(async_scheduling=True, prefix_caching=True, chunk_size=5, spec_k=2,
+                     draft=draft, kv_format=fmt, residency="pressure", mesh=mesh)
+            for draft, fmt in (("mtp", "bf16"), ("reference", "fp8_ds_mla"))]

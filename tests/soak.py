@@ -78,6 +78,8 @@ MESH_SOAK = [
     compose.Features(mesh="2x1", prefix_caching=True, chunk_size=8),
     compose.Features(mesh="2x2", async_scheduling=True, prefix_caching=True, chunk_size=5),
     compose.Features(mesh="2x1", async_scheduling=True, residency="all"),
+    compose.Features(mesh="2x1", async_scheduling=True, prefix_caching=True, chunk_size=8,
+                     spec_k=2, draft="mtp"),
 ]
 
 

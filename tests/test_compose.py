@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from tests import compose
 
@@ -29,6 +29,8 @@ MESH_EXAMPLES = int(os.environ.get("HISPARSE_COMPOSE_MESH_EXAMPLES", "6"))
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(f=compose.features(), mix=compose.mixes())
+@example(f=compose.everything()[0], mix=compose.EVERYTHING_MIX)
+@example(f=compose.everything()[1], mix=compose.EVERYTHING_MIX)
 def test_every_feature_set_decodes_the_reference_tokens(f, mix):
     engine = compose.build_engine(f)
     try:

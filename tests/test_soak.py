@@ -5,7 +5,7 @@ and fp8 rows) serves a stream of requests with random lengths, stop tokens, samp
 multi-turn continuations and cancels, with each fault injected once (`tests/soak.py`);
 every finished request equals the synchronous, one-shot, all-resident engine's output. The
 mesh combinations (`soak.MESH_SOAK`: 2x1 and 2x2, chunked prefill, prefix caching,
-asynchronous scheduling) run in a subprocess with 4 virtual CPU devices
+asynchronous scheduling, speculation) run in a subprocess with 4 virtual CPU devices
 (`tests/_compose_worker.py soak`). HISPARSE_SOAK_REQUESTS sets the requests per combination
 (default 60).
 """

@@ -33,7 +33,7 @@ def test_multiturn_benchmark_reuses_prefixes_and_writes_its_record(tmp_path):
             assert turn["prompt_tokens_submitted"] == N * (FIRST + t * (USER + GEN) + USER)
             assert turn["generated_tokens"] == N * GEN
             assert 0 < turn["ttft_s_p50"] <= turn["ttft_s_p95"] <= turn["wall_s"]
-            if not mode.endswith("-reuse") or t == 0:
+            if "-reuse" not in mode or t == 0:
                 assert turn["prompt_tokens_computed"] == turn["prompt_tokens_submitted"], (
                     mode, turn)
             else:
@@ -48,6 +48,11 @@ def test_multiturn_benchmark_reuses_prefixes_and_writes_its_record(tmp_path):
                            "throughput_reuse_over_all-resident-reuse"}
     for mode in ("hisparse", "all-resident-reuse", "all-resident"):
         assert ratios[f"tokens_identical_to_{mode}"], mode
+    # Asynchronous scheduling against the same features synchronous: the same tokens.
+    assert ratios["tokens_identical_async_sync"]
+    assert ratios["throughput_async_over_sync"] == pytest.approx(
+        runs["hisparse-reuse-async"]["processed_tokens_per_s"]
+        / runs["hisparse-reuse"]["processed_tokens_per_s"])
     reuse = runs["hisparse-reuse"]
     assert ratios["throughput_reuse_over_hisparse"] == pytest.approx(
         reuse["processed_tokens_per_s"] / runs["hisparse"]["processed_tokens_per_s"])

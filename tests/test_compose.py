@@ -7,7 +7,7 @@ refused: building the engine must succeed.
 
 The mesh cases run in a subprocess (`tests/_compose_worker.py`: the virtual device count is
 fixed when jax starts; the suite runs with one device). Budgets: HISPARSE_COMPOSE_EXAMPLES
-(single device, default 14) and HISPARSE_COMPOSE_MESH_EXAMPLES (default 6).
+(single device, default 10) and HISPARSE_COMPOSE_MESH_EXAMPLES (default 4).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from tests import compose
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = int(os.environ.get("HISPARSE_COMPOSE_EXAMPLES", "14"))
-MESH_EXAMPLES = int(os.environ.get("HISPARSE_COMPOSE_MESH_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("HISPARSE_COMPOSE_EXAMPLES", "10"))
+MESH_EXAMPLES = int(os.environ.get("HISPARSE_COMPOSE_MESH_EXAMPLES", "4"))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None,

@@ -7,7 +7,7 @@ every finished request equals the synchronous, one-shot, all-resident engine's o
 mesh combinations (`soak.MESH_SOAK`: 2x1 and 2x2, chunked prefill, prefix caching,
 asynchronous scheduling, speculation) run in a subprocess with 4 virtual CPU devices
 (`tests/_compose_worker.py soak`). HISPARSE_SOAK_REQUESTS sets the requests per combination
-(default 60).
+(default 40).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 from tests import soak
 from tests.compose import Features
 
-REQUESTS = int(os.environ.get("HISPARSE_SOAK_REQUESTS", "60"))
+REQUESTS = int(os.environ.get("HISPARSE_SOAK_REQUESTS", "40"))
 ROOT = Path(__file__).resolve().parents[1]
 
 COMBOS = [

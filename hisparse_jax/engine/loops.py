@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from typing import Any
 
 from hisparse_jax.engine.metrics import Metrics
 from hisparse_jax.engine.request import Request
@@ -203,24 +204,12 @@ class AsyncLoop(SyncLoop):
             self._recover_flights([flight, *([newer] if newer is not None else [])], e)
             raise
         if newer is not None and newer.fed:
-            self.scheduler.manager.set_token_ids(
-                [(req.request_id, len(req.prompt) + i, req.generated[i])
-                 for req, i in newer.fed if req.finish_reason is None])
+            set_fed_token_ids(self.scheduler.manager, newer.fed)
 
     def _land_after_failure(self, prev: Flight | None, error: BaseException
                             ) -> BaseException | None:
-        """Collects `prev` after the next step's launch raised `error`; when that fails too,
-        returns its exception (recovered already; noted on `error`)."""
-        if prev is None:
-            return None
-        self.ctx.metrics.drains += 1
-        try:
-            self._land(prev)
-        except BaseException as late:  # noqa: BLE001 - recovered; the caller re-raises
-            error.add_note(f"Engine: collecting the decode step in flight failed too: "
-                           f"{type(late).__name__}: {late}")
-            return late
-        return None
+        """Collects `prev` after the next step's launch raised `error` (`land_after_failure`)."""
+        return land_after_failure(self, prev, error, "Engine")
 
     def _recover_flights(self, flights: list[Flight], error: BaseException) -> None:
         """Recovers decode steps in flight whose collection failed (`recover_in_flight`
@@ -254,3 +243,28 @@ def recover_in_flight(scheduler: Scheduler, runner: Runner, metrics: Metrics,
         sched.pass_decode = [r for r in decode if sched.running.get(r.request_id) is r]
         sched.pass_admitted = admitted  # not running yet: recovered with their pass
         sched.pass_chunks = [r for r in chunks if sched.running.get(r.request_id) is r]
+
+
+def set_fed_token_ids(manager: Any, fed: list[tuple[Request, int]]) -> None:
+    """Gives the manager the real ids of the tokens a step was fed on the device (each
+    request's generated token i, a placeholder until its step was collected), for the
+    requests still running (`Coordinator.set_token_ids`)."""
+    manager.set_token_ids([(req.request_id, len(req.prompt) + i, req.generated[i])
+                           for req, i in fed if req.finish_reason is None])
+
+
+def land_after_failure(loop: Any, prev: Any, error: BaseException, who: str
+                       ) -> BaseException | None:
+    """Collects `prev` (a step in flight of `loop`, or None) after the next step's launch
+    raised `error`; when that fails too, returns its exception (recovered already by the
+    loop's `_land`; noted on `error`, naming `who`)."""
+    if prev is None:
+        return None
+    loop.ctx.metrics.drains += 1
+    try:
+        loop._land(prev)
+    except BaseException as late:  # noqa: BLE001 - recovered; the caller re-raises
+        error.add_note(f"{who}: collecting the decode step in flight failed too: "
+                       f"{type(late).__name__}: {late}")
+        return late
+    return None

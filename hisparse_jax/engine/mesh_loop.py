@@ -35,7 +35,12 @@ from typing import Any
 import numpy as np
 
 from hisparse_jax.cache import AllResident
-from hisparse_jax.engine.loops import AsyncLoop, recover_in_flight
+from hisparse_jax.engine.loops import (
+    AsyncLoop,
+    land_after_failure,
+    recover_in_flight,
+    set_fed_token_ids,
+)
 from hisparse_jax.engine.mesh_step import MeshPending
 from hisparse_jax.engine.page_keys import PageKeys
 from hisparse_jax.engine.request import Request
@@ -279,24 +284,12 @@ class MeshAsyncLoop(MeshSyncLoop):
         for sh in self.engine.shards:
             fed = newer.fed.get(sh.index)
             if fed:
-                sh.scheduler.manager.set_token_ids(
-                    [(req.request_id, len(req.prompt) + i, req.generated[i])
-                     for req, i in fed if req.finish_reason is None])
+                set_fed_token_ids(sh.scheduler.manager, fed)
 
     def _land_after_failure(self, prev: MeshFlight | None, error: BaseException
                             ) -> BaseException | None:
-        """Collects `prev` after the next step's launch raised `error`; when that fails too,
-        returns its exception (recovered already; noted on `error`)."""
-        if prev is None:
-            return None
-        self.ctx.metrics.drains += 1
-        try:
-            self._land(prev)
-        except BaseException as late:  # noqa: BLE001 - recovered; the caller re-raises
-            error.add_note(f"MeshEngine: collecting the decode step in flight failed too: "
-                           f"{type(late).__name__}: {late}")
-            return late
-        return None
+        """Collects `prev` after the next step's launch raised `error` (`land_after_failure`)."""
+        return land_after_failure(self, prev, error, "MeshEngine")
 
     def _recover_flights(self, flights: list[MeshFlight], error: BaseException) -> None:
         """Recovers mesh decode steps in flight whose collection failed: per local shard,

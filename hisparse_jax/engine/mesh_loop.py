@@ -213,6 +213,7 @@ class MeshAsyncLoop(MeshSyncLoop):
     # A host draft source proposes from accepted tokens: step t is collected before step
     # t + 1 is planned (the same rule on every process: the config is the same).
     plans_after_collecting = AsyncLoop.plans_after_collecting
+    drain = AsyncLoop.drain  # collects the mesh step in flight (`_land`); False when none
 
     def step(self) -> None:
         """Launches step t + 1 while step t (`flight`) runs, then collects step t. On an
@@ -247,15 +248,6 @@ class MeshAsyncLoop(MeshSyncLoop):
                 self.ctx.metrics.drains += 1
             self._land(prev, flight)
         self.prune()
-
-    def drain(self) -> bool:
-        """Collects the mesh decode step in flight; False when there was none."""
-        flight, self.flight = self.flight, None
-        if flight is None:
-            return False
-        self.ctx.metrics.drains += 1
-        self._land(flight)
-        return True
 
     def _launch(self, parts: list[StepPart], prev: MeshFlight | None) -> MeshFlight | None:
         """The step up to the collection, `prev` feeding the new decode step; returns the

@@ -35,6 +35,27 @@ bytes host -> device per step and host pool bytes per request, and adds the rati
 (tokens/s, bytes per step) and, per format, HiSparse / all-resident; the record then goes to
 `e2e_decode-<backend>-<formats>.json`.
 
+`--attention-backend` picks `EngineConfig.tuning.attention` (the `sparse_mla_decode` backend:
+"reference", "triton", "mosaic_gpu", or "default", the registry's choice: "triton" on a GPU).
+Each comma-separated entry is a backend for every `--kv-format`, or `FORMAT:BACKEND` for that
+format only; every group runs once per (kv format, backend) pair, in `--kv-format` order, each
+format's backends in the flag's order (pairs run one after another, not interleaved). Each run
+records its `attention_backend`; with more than one pair the ratios add "over_first_variant"
+(tokens/s over the first pair's, same mode and concurrency, base turnover) and "by_variant",
+and "fp8_over_bf16" compares the two formats on the same backend (the first that ran both).
+Every pair is checked against the model and the budget before the first run
+(`EngineConfig.check_platform`: the op registry's reason why a backend cannot run the
+attention), and the default file name gets `-<backends>` unless every pair runs the default.
+fp8 rows, the Triton and the Mosaic GPU row-copy attention, against bf16 rows on Triton, at 256
+requests of DeepSeek-V3.2's real-dimension slice (32K contexts: bf16 rows of 64K contexts for
+257 requests need a 73 GiB pinned pool, which the GPU machine's host allocator did not give, as
+`bench/NOTES-e2e.md` says; fp8 rows at 64K need 42 GiB):
+
+    python3 -m bench.e2e_decode --config dsv32-real --num-layers 4 --async-scheduling \\
+        --context 32768 --kv-format bf16,fp8_ds_mla \\
+        --attention-backend triton,fp8_ds_mla:mosaic_gpu --concurrency 256 --modes hisparse \\
+        --turnover-sweep= --warmup-steps 4 --measure-steps 16 --rounds 2 --no-plot
+
 `--speculative-tokens K` verifies K draft tokens per request and step (`AcceptanceRateDraft`
 at `--acceptance-rate`, default 0.8: the random model's MTP drafts would almost never be
 accepted), with or without `--async-scheduling`; `bench/speculative.py` sweeps K and rates.
@@ -80,12 +101,15 @@ from hisparse_jax.engine import (  # noqa: E402
     Speculative,
     Tuning,
 )
+from hisparse_jax.ops import registered_backends  # noqa: E402
 from hisparse_jax.topk_sources import DriftTopK, TraceTopK  # noqa: E402
 from host_tier import HostPool  # noqa: E402
 from host_tier.sizes import cdiv  # noqa: E402
 from pallas_kernels import kv_format as kvf  # noqa: E402
 
 MODES = ("all-resident", "naive-offload", "hisparse")
+DEFAULT_BACKEND = "default"
+"""How runs and `--attention-backend` name `EngineConfig.tuning.attention=None`."""
 
 
 class CompileCounter:
@@ -121,21 +145,20 @@ class Skip(Exception):
     """A run that cannot reach its steady state (recorded, not fatal)."""
 
 
-def make_engine(model: models.ServedModel, args: argparse.Namespace, sizes: dict[str, int], *,
-                mode: str, concurrency: int, source: Any, pool: Any,
-                kv_format: str = kvf.BF16, build: Any = None, shards: int = 1,
-                extra: dict[str, Any] | None = None) -> Engine:
-    """`build(model, config)` makes the engine instead of `Engine` (`bench/mesh_decode.py`:
-    a mesh engine of `shards` data shards, each with the `sizes` budget); `extra`: more
-    `EngineConfig` fields (`bench/speculative.py`: speculation), and "per_row" for the
-    HiSparse residency's per-row ablation."""
+def engine_config(args: argparse.Namespace, sizes: dict[str, int], *, mode: str,
+                  concurrency: int, source: Any, kv_format: str = kvf.BF16,
+                  attention: str | None = None, shards: int = 1,
+                  extra: dict[str, Any] | None = None) -> EngineConfig:
+    """The `EngineConfig` of one run (`make_engine`'s arguments); `attention`:
+    `EngineConfig.tuning.attention` (None: the registry's default). Skip when the GPU KV
+    budget holds no full request (all-resident)."""
     seats = (min(concurrency, shards * sizes["all_resident_cap"]) if mode == "all-resident"
              else concurrency)
     if seats < 1:
         raise Skip("the GPU KV budget holds no full request")
     extra = dict(extra or {})
     per_row = extra.pop("per_row", False)
-    ec = EngineConfig(
+    return EngineConfig(
         sizes=Sizes(max_seats=seats, max_model_len=sizes["max_model_len"],
                     block_size=args.block_size,
                     hot_size=None if mode == "naive-offload" else args.hot_size,
@@ -144,10 +167,24 @@ def make_engine(model: models.ServedModel, args: argparse.Namespace, sizes: dict
                    if mode == "naive-offload" else HiSparse(per_row=per_row)),
         topk_source=source, prefill=PrefillPolicy(bucket=args.context, synthetic=True), seed=0,
         kv_format=kv_format,
-        tuning=Tuning(position_map=not getattr(args, "no_position_map", False),
+        tuning=Tuning(attention=attention,
+                      position_map=not getattr(args, "no_position_map", False),
                       copy_programs=getattr(args, "copy_programs", None),
                       copy_with_attention=getattr(args, "copy_with_attention", True)),
         async_scheduling=getattr(args, "async_scheduling", False), **extra)
+
+
+def make_engine(model: models.ServedModel, args: argparse.Namespace, sizes: dict[str, int], *,
+                mode: str, concurrency: int, source: Any, pool: Any,
+                kv_format: str = kvf.BF16, attention: str | None = None, build: Any = None,
+                shards: int = 1, extra: dict[str, Any] | None = None) -> Engine:
+    """`build(model, config)` makes the engine instead of `Engine` (`bench/mesh_decode.py`:
+    a mesh engine of `shards` data shards, each with the `sizes` budget); `attention`:
+    `EngineConfig.tuning.attention`; `extra`: more `EngineConfig` fields
+    (`bench/speculative.py`: speculation), and "per_row" for the HiSparse residency's
+    per-row ablation."""
+    ec = engine_config(args, sizes, mode=mode, concurrency=concurrency, source=source,
+                       kv_format=kv_format, attention=attention, shards=shards, extra=extra)
     engine = (Engine(model, ec, host_pool=None if mode == "all-resident" else pool)
               if build is None else build(model, ec))
     rng = np.random.default_rng(0)
@@ -249,6 +286,7 @@ class Window:
         s = e.summary()
         return {
             "kv_format": e.config.kv_format,
+            "attention_backend": backend_label(e.config.tuning.attention_backend),
             "async_scheduling": e.config.async_scheduling,
             "row_bytes": e.row_bytes,
             "seats": e.config.sizes.max_seats,
@@ -281,11 +319,13 @@ class Window:
 def run_group(model: models.ServedModel, args: argparse.Namespace, sizes: dict[str, int], *,
               modes: list[str], concurrency: int, turnover: float, pool: Any,
               counter: CompileCounter, kv_format: str = kvf.BF16,
+              attention: str | None = None,
               extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One concurrency and turnover. Naive offload runs alone; HiSparse and all-resident
     (when both are asked for) are alive together and measured in alternating blocks, so
     clock and host drift hit both alike. Host-tier engines run one at a time on `pool`.
-    `extra`: more `EngineConfig` fields for every engine of the group."""
+    `attention`: `EngineConfig.tuning.attention` of every engine of the group; `extra`: more
+    `EngineConfig` fields for every engine of the group."""
     out: list[dict[str, Any]] = []
     paired = [m for m in ("hisparse", "all-resident") if m in modes]
     groups = [[m] for m in modes if m == "naive-offload"] + ([paired] if paired else [])
@@ -300,7 +340,8 @@ def run_group(model: models.ServedModel, args: argparse.Namespace, sizes: dict[s
                 t0 = time.perf_counter()
                 engines[mode] = make_engine(model, args, sizes, mode=mode,
                                             concurrency=concurrency, source=source, pool=pool,
-                                            kv_format=kv_format, extra=extra)
+                                            kv_format=kv_format, attention=attention,
+                                            extra=extra)
                 info[mode] = {"setup_seconds": time.perf_counter() - t0,
                               **ramp(engines[mode], args)}
             windows = {mode: Window(e) for mode, e in engines.items()}
@@ -319,7 +360,8 @@ def run_group(model: models.ServedModel, args: argparse.Namespace, sizes: dict[s
                             "group_seconds": time.perf_counter() - t_group})
         except Skip as e:
             out += [{"mode": m, "concurrency": concurrency, "turnover": turnover,
-                     "kv_format": kv_format, "skipped": str(e)} for m in group]
+                     "kv_format": kv_format, "attention_backend": backend_label(attention),
+                     "skipped": str(e)} for m in group]
         finally:
             for e in engines.values():
                 e.close()
@@ -340,7 +382,8 @@ def _groups(args: argparse.Namespace) -> list[tuple[int, float, list[str]]]:
 
 
 def _print(r: dict[str, Any]) -> None:
-    head = (f"[e2e] {r['mode']:13s} {r.get('kv_format', kvf.BF16):10s} C={r['concurrency']:4d} "
+    head = (f"[e2e] {r['mode']:13s} {r.get('kv_format', kvf.BF16):10s} "
+            f"{r.get('attention_backend', DEFAULT_BACKEND):10s} C={r['concurrency']:4d} "
             f"turnover={r['turnover']:.2f}:")
     if "skipped" in r:
         print(f"{head} skipped ({r['skipped']})", flush=True)
@@ -353,33 +396,79 @@ def _print(r: dict[str, Any]) -> None:
           f"ramp {r['steps_to_steady_state']} steps {r['ramp_seconds']:.1f} s", flush=True)
 
 
-def _of_format(results: list[dict[str, Any]], kv_format: str) -> list[dict[str, Any]]:
-    return [r for r in results if r.get("kv_format", kvf.BF16) == kv_format]
+def _of_variant(results: list[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
+    """The runs of one "<kv format>:<attention backend>" pair (records without the backend:
+    "default")."""
+    return [r for r in results if variant_of(r) == variant]
+
+
+def variant_of(r: dict[str, Any]) -> str:
+    """A run's "<kv format>:<attention backend>" pair."""
+    return (f"{r.get('kv_format', kvf.BF16)}:"
+            f"{r.get('attention_backend', DEFAULT_BACKEND)}")
 
 
 def summarise(results: list[dict[str, Any]], base_turnover: float,
-              kv_formats: list[str] | None = None) -> dict[str, Any]:
-    """Ratios of the targets. For the first of `kv_formats` (default bf16) at the top level,
-    and for each format under "by_kv_format": HiSparse / all-resident (every concurrency, base
-    turnover), HiSparse / naive-offload. With bf16 and fp8_ds_mla rows both run:
-    "fp8_over_bf16", per concurrency at the base turnover, of HiSparse's tokens/s and bytes
-    host -> device per step."""
+              kv_formats: list[str] | None = None,
+              variants: list[str] | None = None) -> dict[str, Any]:
+    """Ratios of the targets. `variants`: the "<kv format>:<attention backend>" pairs in run
+    order (default: each of `kv_formats`, default bf16, on the default backend). At the top
+    level for the first pair, and for each format's first pair under "by_kv_format" (more
+    than one format) and each pair under "by_variant" (more than one pair): HiSparse /
+    all-resident (every concurrency, base turnover), HiSparse / naive-offload. With bf16
+    and fp8_ds_mla rows both run on one backend: "fp8_over_bf16", per concurrency at the
+    base turnover, of HiSparse's tokens/s and bytes host -> device per step, on the first
+    backend that ran both formats (named in its "attention_backend"; every such backend under
+    "fp8_over_bf16_by_attention_backend" when there are several). With more than one pair:
+    "over_first_variant", each later pair's tokens/s over the first pair's, per mode and
+    concurrency at the base turnover."""
     kv_formats = kv_formats or [kvf.BF16]
-    out = _mode_ratios(_of_format(results, kv_formats[0]), base_turnover)
+    variants = variants or [f"{f}:{DEFAULT_BACKEND}" for f in kv_formats]
+    out = _mode_ratios(_of_variant(results, variants[0]), base_turnover)
     if len(kv_formats) > 1:
-        out["by_kv_format"] = {f: _mode_ratios(_of_format(results, f), base_turnover)
-                               for f in kv_formats}
-    if {kvf.BF16, kvf.FP8_DS_MLA} <= set(kv_formats):
-        out["fp8_over_bf16"] = _format_ratios(results, base_turnover)
+        firsts = {v.split(":")[0]: v for v in reversed(variants)}
+        out["by_kv_format"] = {f: _mode_ratios(_of_variant(results, firsts[f]), base_turnover)
+                               for f in kv_formats if f in firsts}
+    if len(variants) > 1:
+        out["by_variant"] = {v: _mode_ratios(_of_variant(results, v), base_turnover)
+                             for v in variants}
+        out["over_first_variant"] = _variant_ratios(results, base_turnover, variants)
+    both = [b for b in dict.fromkeys(v.split(":")[1] for v in variants)
+            if {f"{kvf.BF16}:{b}", f"{kvf.FP8_DS_MLA}:{b}"} <= set(variants)]
+    if both:
+        by_backend = {b: _format_ratios(results, base_turnover, b) for b in both}
+        out["fp8_over_bf16"] = by_backend[both[0]]
+        if len(both) > 1:
+            out["fp8_over_bf16_by_attention_backend"] = by_backend
     return out
 
 
-def _format_ratios(results: list[dict[str, Any]], base_turnover: float) -> dict[str, Any]:
-    """fp8_ds_mla / bf16 of HiSparse's tokens/s and bytes per step, per concurrency."""
+def _variant_ratios(results: list[dict[str, Any]], base_turnover: float,
+                    variants: list[str]) -> dict[str, Any]:
+    """Each pair after the first: tokens/s over the first pair's run of the same mode and
+    concurrency at the base turnover, as {pair: {mode: {concurrency: ratio}}}."""
+    by = {(variant_of(r), r["mode"], r["concurrency"]): r for r in results
+          if "decode_tokens_per_s" in r and r["turnover"] == base_turnover}
+    out: dict[str, Any] = {"base": variants[0], "tokens_per_s": {}}
+    for (v, mode, c), r in sorted(by.items(), key=lambda kv: kv[0][2]):
+        b = by.get((variants[0], mode, c))
+        if v == variants[0] or b is None:
+            continue
+        out["tokens_per_s"].setdefault(v, {}).setdefault(mode, {})[c] = (
+            r["decode_tokens_per_s"] / b["decode_tokens_per_s"])
+    return out
+
+
+def _format_ratios(results: list[dict[str, Any]], base_turnover: float,
+                   backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
+    """fp8_ds_mla / bf16 of HiSparse's tokens/s and bytes per step, per concurrency, both
+    on the attention `backend`."""
     by = {(r.get("kv_format", kvf.BF16), r["concurrency"]): r for r in results
           if "decode_tokens_per_s" in r and r["mode"] == "hisparse"
-          and r["turnover"] == base_turnover}
-    out: dict[str, Any] = {"hisparse_tokens_per_s": {}, "hisparse_bytes_h2d_per_step": {}}
+          and r["turnover"] == base_turnover
+          and r.get("attention_backend", DEFAULT_BACKEND) == backend}
+    out: dict[str, Any] = {"attention_backend": backend, "hisparse_tokens_per_s": {},
+                           "hisparse_bytes_h2d_per_step": {}}
     for (f, c), r in sorted(by.items(), key=lambda kv: kv[0][1]):
         b = by.get((kvf.BF16, c))
         if f != kvf.FP8_DS_MLA or b is None:
@@ -420,9 +509,11 @@ def plot(path_json: Path, path_png: Path, sweep_json: Path | None = None) -> Non
     import matplotlib.pyplot as plt
 
     record = json.loads(Path(path_json).read_text())
-    # One row format per plot: the first the run lists (records before formats: bf16).
-    shown = record["config"].get("kv_formats", [kvf.BF16])[0]
-    record["results"] = _of_format(record["results"], shown)
+    # One (row format, attention backend) pair per plot: the first the run lists (records
+    # before formats: bf16; before backends: the default).
+    cfg = record["config"]
+    shown = cfg.get("variants", [f"{cfg.get('kv_formats', [kvf.BF16])[0]}:{DEFAULT_BACKEND}"])[0]
+    record["results"] = _of_variant(record["results"], shown)
     base = record["config"]["turnover"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode, style in zip(MODES, ("s--", "^:", "o-"), strict=True):
@@ -436,8 +527,8 @@ def plot(path_json: Path, path_png: Path, sweep_json: Path | None = None) -> Non
     ax.set_xticks(cs, [str(c) for c in cs])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("decode tokens/s")
-    cfg = record["config"]
-    ax.set_title(f"{cfg['model']}, {cfg['context']} context, top-k turnover {base:.0%}\n"
+    pair = f" ({shown})" if len(cfg.get("variants", [])) > 1 else ""
+    ax.set_title(f"{cfg['model']}{pair}, {cfg['context']} context, top-k turnover {base:.0%}\n"
                  f"GPU KV budget {cfg['gpu_blocks']} blocks/layer "
                  f"(all-resident cap {cfg['all_resident_cap']})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
@@ -480,6 +571,71 @@ def _formats(text: str) -> list[str]:
     if bad or not formats:
         raise argparse.ArgumentTypeError(f"must list formats of {kvf.KV_FORMATS}, got {text!r}")
     return formats
+
+
+def backend_label(backend: str | None) -> str:
+    """`EngineConfig.tuning.attention` as runs and flags name it (None: "default")."""
+    return DEFAULT_BACKEND if backend is None else backend
+
+
+def _attention_backends(text: str) -> list[tuple[str | None, str | None]]:
+    """`--attention-backend`: (kv format or None for every format, backend or None for the
+    registry's default) per entry, in order, repeats dropped."""
+    names = (DEFAULT_BACKEND, *registered_backends("sparse_mla_decode"))
+    entries: list[tuple[str | None, str | None]] = []
+    for item in (x for x in text.split(",") if x):
+        fmt, _, name = item.rpartition(":")
+        if (fmt and fmt not in kvf.KV_FORMATS) or name not in names:
+            raise argparse.ArgumentTypeError(
+                f"each entry must be BACKEND or FORMAT:BACKEND with BACKEND of {names} (the "
+                f"sparse_mla_decode backends) and FORMAT of {kvf.KV_FORMATS}, got {item!r} "
+                f"in {text!r}")
+        entries.append((fmt or None, None if name == DEFAULT_BACKEND else name))
+    if not entries:
+        raise argparse.ArgumentTypeError(f"must name at least one backend, got {text!r}")
+    return list(dict.fromkeys(entries))
+
+
+def variants_of(formats: list[str], entries: list[tuple[str | None, str | None]]
+                ) -> list[tuple[str, str | None]]:
+    """(kv format, attention backend) pairs to run: each format of `formats` in order with
+    every backend of `entries` that names it or no format, in `entries`' order. SystemExit
+    when an entry names a format `formats` lacks, or a format gets no backend."""
+    stray = [f for f, _ in entries if f is not None and f not in formats]
+    if stray:
+        raise SystemExit(f"--attention-backend names --kv-format {stray[0]}, which --kv-format "
+                         f"{','.join(formats)} does not run")
+    pairs = [(f, b) for f in formats for g, b in entries if g in (None, f)]
+    pairs = list(dict.fromkeys(pairs))
+    bare = [f for f in formats if f not in {p for p, _ in pairs}]
+    if bare:
+        raise SystemExit(f"--kv-format {bare[0]} has no --attention-backend entry (give a "
+                         f"BACKEND for every format or {bare[0]}:BACKEND)")
+    return pairs
+
+
+def check_variants(model: models.ServedModel, args: argparse.Namespace,
+                   sizes: dict[str, int], variants: list[tuple[str, str | None]],
+                   extra: dict[str, Any] | None = None) -> None:
+    """Before anything runs: every named attention backend can run the attention calls of
+    every engine the groups build (`EngineConfig.check_platform`, which asks the op
+    registry with the decode and prefill shapes), so a refused pair stops the run with the
+    registry's reason instead of after the pairs before it. `extra`: `run_group`'s."""
+    spec = model.spec
+    for kv_format, attention in variants:
+        if attention is None:  # the registry picks what runs
+            continue
+        for c, modes in dict.fromkeys((c, tuple(m)) for c, _, m in _groups(args)):
+            for mode in modes:
+                try:
+                    ec = engine_config(args, sizes, mode=mode, concurrency=c, source=None,
+                                       kv_format=kv_format, attention=attention, extra=extra)
+                    ec.check_platform(spec, ec.hisparse_config(spec))
+                except Skip:
+                    continue
+                except ValueError as e:
+                    raise SystemExit(f"--attention-backend {kv_format}:{attention} ({mode}, "
+                                     f"{c} requests): {e}") from None
 
 
 def add_copy_flags(p: argparse.ArgumentParser) -> None:
@@ -534,6 +690,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-format", type=_formats, default=[kvf.BF16],
                    help=f"KV row formats to run, comma-separated, of {', '.join(kvf.KV_FORMATS)} "
                         "(fp8_ds_mla needs 512 + 64 rows: dsv32-2l, tiny576)")
+    p.add_argument("--attention-backend", type=_attention_backends,
+                   default=[(None, None)], metavar="[FORMAT:]BACKEND,...",
+                   help="EngineConfig.tuning.attention, comma-separated: BACKEND (every "
+                        "--kv-format) or FORMAT:BACKEND (that format only), of default (the "
+                        "registry's choice; the flag's default), "
+                        + ", ".join(registered_backends("sparse_mla_decode"))
+                        + "; every group runs once per (kv format, backend) pair, e.g. "
+                        "--kv-format bf16,fp8_ds_mla --attention-backend "
+                        "triton,fp8_ds_mla:mosaic_gpu")
     p.add_argument("--block-size", type=int, default=64, help="KV rows per block (page)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="EngineConfig.async_scheduling: plan and dispatch step t + 1 while "
@@ -560,8 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a run that has not reached its steady state after this many steps "
                         "is skipped")
     p.add_argument("--time-budget", type=float, default=float("inf"),
-                   help="seconds, shared equally by the --kv-format formats; runs that would "
-                        "start later are skipped")
+                   help="seconds, shared equally by the (kv format, attention backend) "
+                        "pairs; runs that would start later are skipped")
     p.add_argument("--output", default=None,
                    help="JSON path (default: bench/results/e2e_decode-<backend>.json)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
@@ -595,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--acceptance-rate must be in [0, 1], got {rate}")
     if args.indexer:
         args.turnover_sweep = []  # turnover is the drift model's knob
+    variants = variants_of(args.kv_format, args.attention_backend)
     try:
         model = bench_models.build(args.config, num_layers=args.num_layers,
                                    index_group_size=args.index_group_size)
@@ -610,7 +776,16 @@ def main(argv: list[str] | None = None) -> int:
     counter = CompileCounter()
     name = "e2e_decode"
     formats = args.kv_format
-    suffix = "" if formats == [kvf.BF16] else "-" + "+".join(formats)
+    for kv_format in formats:
+        if kv_format == kvf.FP8_DS_MLA and (spec.kv_lora_rank, spec.rope_dim) != (
+                kvf.LATENT_DIM, kvf.ROPE_DIM):
+            raise SystemExit(f"--kv-format {kv_format} needs 512 + 64 rows; --config "
+                             f"{spec.name} has {spec.kv_lora_rank} + {spec.rope_dim}")
+    check_variants(model, args, sizes, variants, extra=speculation)
+    labels = [f"{f}:{backend_label(b)}" for f, b in variants]
+    backends = list(dict.fromkeys(backend_label(b) for _, b in variants))
+    suffix = (("" if formats == [kvf.BF16] else "-" + "+".join(formats))
+              + ("" if backends == [DEFAULT_BACKEND] else "-" + "+".join(backends)))
     out_json = (Path(args.output) if args.output
                 else RESULTS_DIR / f"{name}-{jax.default_backend()}{suffix}.json")
     config = {"model": spec.name, "context": args.context, "gen_budget": args.gen_budget,
@@ -626,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
               "prefill": "synthetic (random KV rows written straight into the caches)",
               "warmup_steps": args.warmup_steps, "measure_steps": args.measure_steps,
               "rounds": args.rounds, "turnover_sweep_at": _groups(args)[-1][0],
-              "kv_formats": formats, "async_scheduling": args.async_scheduling,
+              "kv_formats": formats, "attention_backends": backends, "variants": labels,
+              "async_scheduling": args.async_scheduling,
               "speculative_tokens": k, "acceptance_rate": rate if k else None, **sizes}
     results: list[dict[str, Any]] = []
     print(f"[e2e] {spec.name} on {jax.devices()[0].device_kind}: {json.dumps(sizes)}", flush=True)
@@ -634,13 +810,6 @@ def main(argv: list[str] | None = None) -> int:
     # pinning and unpinning tens of GiB per run would cost more than the runs, and a pool
     # freed while the next engine runs stalls it.
     for kv_format in formats:
-        if kv_format == kvf.FP8_DS_MLA and (spec.kv_lora_rank, spec.rope_dim) != (
-                kvf.LATENT_DIM, kvf.ROPE_DIM):
-            raise SystemExit(f"--kv-format {kv_format} needs 512 + 64 rows; --config "
-                             f"{spec.name} has {spec.kv_lora_rank} + {spec.rope_dim}")
-    for i, kv_format in enumerate(formats):
-        # Each format gets an equal share of --time-budget (what one leaves, the next gets).
-        format_deadline = t_start + args.time_budget * (i + 1) / len(formats)
         pool = None
         if any(m != "all-resident" for m in args.modes):
             pool = HostPool(num_layers=spec.num_layers, block_size=args.block_size,
@@ -655,24 +824,31 @@ def main(argv: list[str] | None = None) -> int:
             if kv_format == formats[0]:
                 config["host_pool_gib"] = pool.nbytes / 2**30
         try:
-            for c, tv, modes in _groups(args):
-                if time.perf_counter() > format_deadline:
-                    results += [{"mode": m, "concurrency": c, "turnover": tv,
-                                 "kv_format": kv_format, "skipped": "time budget"}
-                                for m in modes]
-                else:
-                    for r in run_group(model, args, sizes, modes=modes, concurrency=c,
-                                       turnover=tv, pool=pool, counter=counter,
-                                       kv_format=kv_format, extra=speculation):
-                        results.append(r)
-                        _print(r)
-                write_result(name, {"config": config, "results": results,
-                                    "ratios": summarise(results, args.turnover, formats)},
-                             out_json)
+            for attention in [b for f, b in variants if f == kv_format]:
+                # Each pair gets an equal share of --time-budget (what one leaves, the next
+                # gets).
+                j = variants.index((kv_format, attention))
+                deadline = t_start + args.time_budget * (j + 1) / len(variants)
+                for c, tv, modes in _groups(args):
+                    if time.perf_counter() > deadline:
+                        results += [{"mode": m, "concurrency": c, "turnover": tv,
+                                     "kv_format": kv_format,
+                                     "attention_backend": backend_label(attention),
+                                     "skipped": "time budget"} for m in modes]
+                    else:
+                        for r in run_group(model, args, sizes, modes=modes, concurrency=c,
+                                           turnover=tv, pool=pool, counter=counter,
+                                           kv_format=kv_format, attention=attention,
+                                           extra=speculation):
+                            results.append(r)
+                            _print(r)
+                    write_result(name, {"config": config, "results": results,
+                                        "ratios": summarise(results, args.turnover, formats,
+                                                            labels)}, out_json)
         finally:
             if pool is not None:
                 pool.close()
-    print(json.dumps(summarise(results, args.turnover, formats), indent=1))
+    print(json.dumps(summarise(results, args.turnover, formats, labels), indent=1))
     if not args.no_plot:
         try:
             plot(out_json, Path(args.plot or out_json.with_suffix(".png")))

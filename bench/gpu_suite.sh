@@ -77,6 +77,11 @@ run_step() {  # name, time limit in s, command...
       decode_fp8) run_step decode_fp8 150 python3 examples/decode.py --config dsv32-2l --kv-format fp8_ds_mla --requests 8 --seats 8 --prompt-len 3500 --gen-len 32 --max-model-len 4096 --block-size 64 --hot-size 2048 --gpu-blocks 400 --prefill-bucket 4096 --check ;;
       attention_splits) run_step attention_splits 580 python3 -m bench.attention_splits --ns 1,2,4,8 ;;
       e2e_fp8) run_step e2e_fp8 "${E2E_FP8_LIMIT:-580}" python3 -m bench.e2e_decode --kv-format bf16,fp8_ds_mla --modes hisparse,all-resident --concurrency 1,64,256 --turnover-sweep= --time-budget "${E2E_FP8_BUDGET:-480}" --no-plot ;;
+      # DeepSeek-V3.2's real-dimension slice (4 layers) at 256 requests, drift top-k,
+      # asynchronous scheduling, in one process: fp8_ds_mla rows on the Triton and on the Mosaic
+      # GPU row-copy attention against bf16 rows on Triton (32K contexts: bf16 rows of 64K for
+      # 257 requests need a pinned pool past the host allocator's). JSON to $OUT.
+      fp8_e2e) XLA_PYTHON_CLIENT_MEM_FRACTION=${REAL_MEM_FRACTION:-0.92} run_step fp8_e2e "${FP8_E2E_LIMIT:-580}" python3 -m bench.e2e_decode --config dsv32-real --num-layers 4 --async-scheduling --context "${FP8_E2E_CONTEXT:-32768}" --kv-format bf16,fp8_ds_mla --attention-backend "${FP8_E2E_BACKENDS:-triton,fp8_ds_mla:mosaic_gpu}" --concurrency 256 --modes hisparse --turnover-sweep= --warmup-steps 4 --measure-steps 16 --rounds 2 --time-budget "${FP8_E2E_BUDGET:-480}" --output "${FP8_E2E_JSON:-$OUT/e2e_decode-dsv32-real-fp8-backends-gpu.json}" --no-plot ;;
       e2e_smoke) run_step e2e_smoke 150 python3 -m bench.e2e_decode --context 8192 --gen-budget 512 --concurrency 1,8 --turnover-sweep "" --warmup-steps 4 --measure-steps 8 --output bench/results/e2e_decode-smoke-gpu.json --no-plot ;;
       # The e2e benchmark's sweep: every concurrency, then the turnover sweep (at E2E_SWEEP_AT).
       # sweep_async: with asynchronous scheduling, the turnover sweep at 256 (README table and

@@ -76,6 +76,61 @@ def test_e2e_benchmark_compares_kv_row_formats(tmp_path):
     print(f"\nrows/step bf16 {hs16['rows_h2d_per_step']:.1f} fp8 {hs8['rows_h2d_per_step']:.1f}")
 
 
+def test_e2e_benchmark_compares_attention_backends(tmp_path, capsys):
+    # Pairs of (kv format, attention backend): every format on the default backend and
+    # fp8_ds_mla rows on "reference" too (off a GPU the default is the reference as well).
+    from bench import e2e_decode
+
+    out = tmp_path / "e2e.json"
+    rc = e2e_decode.main([
+        "--config", "tiny576", "--context", "256", "--gen-budget", "64", "--block-size", "16",
+        "--concurrency", "6", "--modes", "hisparse", "--turnover-sweep", "",
+        "--kv-format", "bf16,fp8_ds_mla", "--attention-backend", "default,fp8_ds_mla:reference",
+        "--warmup-steps", "1", "--measure-steps", "2", "--output", str(out), "--no-plot"])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    variants = ["bf16:default", "fp8_ds_mla:default", "fp8_ds_mla:reference"]
+    assert record["config"]["variants"] == variants
+    assert record["config"]["attention_backends"] == ["default", "reference"]
+    assert [e2e_decode.variant_of(r) for r in record["results"]] == variants
+    runs = {e2e_decode.variant_of(r): r for r in record["results"]}
+    for r in runs.values():
+        assert r["mode"] == "hisparse" and "skipped" not in r, r
+        assert r["measured_steps"] == 2 and r["decode_tokens_per_s"] > 0
+    ratios = record["ratios"]
+    over = ratios["over_first_variant"]
+    assert over["base"] == "bf16:default"
+    assert set(over["tokens_per_s"]) == set(variants[1:])
+    base = runs["bf16:default"]["decode_tokens_per_s"]
+    for v in variants[1:]:
+        assert over["tokens_per_s"][v]["hisparse"]["6"] == pytest.approx(
+            runs[v]["decode_tokens_per_s"] / base)
+    # fp8 / bf16 compares the formats on one backend: the default, the only one with both.
+    assert ratios["fp8_over_bf16"]["attention_backend"] == "default"
+    assert ratios["fp8_over_bf16"]["hisparse_tokens_per_s"]["6"] == pytest.approx(
+        runs["fp8_ds_mla:default"]["decode_tokens_per_s"] / base)
+    assert "fp8_over_bf16_by_attention_backend" not in ratios
+    assert set(ratios["by_variant"]) == set(variants)
+
+    # Bad flags fail before any run: an unknown name (argparse), a format the run does not
+    # list, and a backend the registry refuses for these inputs (the Mosaic GPU kernel's bf16
+    # rows need a width that is a multiple of 64; tiny's rows are 64 + 32 wide).
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        e2e_decode.main(["--attention-backend", "triton,cuda", "--no-plot"])
+    err = capsys.readouterr().err
+    assert "--attention-backend" in err and "got 'cuda'" in err and "mosaic_gpu" in err
+    with pytest.raises(SystemExit, match="names --kv-format fp8_ds_mla, which --kv-format bf16"):
+        e2e_decode.main(["--attention-backend", "fp8_ds_mla:reference", "--no-plot"])
+    refused = tmp_path / "refused.json"
+    with pytest.raises(SystemExit, match="mosaic_gpu.*cannot run on this platform"):
+        e2e_decode.main(["--config", "tiny", "--context", "256", "--gen-budget", "64",
+                         "--block-size", "16", "--concurrency", "6", "--modes", "hisparse",
+                         "--attention-backend", "reference,mosaic_gpu",
+                         "--output", str(refused), "--no-plot"])
+    assert not refused.exists()
+
+
 def test_e2e_benchmark_with_the_models_indexer_and_more_layers(tmp_path):
     from bench import e2e_decode
 

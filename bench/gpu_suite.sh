@@ -32,7 +32,9 @@
 #        real_slice / real_slice_drift / profile_real (DeepSeek-V3.2's real-dimension slice: e2e
 #        pairs at 1, 64, 256 requests with its indexer / the drift top-k; the profile at 256),
 #        rows_sweep (the row-copy Mosaic GPU attention kernel's candidates against the Triton
-#        defaults: correctness, device time, TFLOP/s; JSON to $OUT)
+#        defaults: correctness, device time, TFLOP/s; JSON to $OUT), flashmla (FlashMLA's sm90
+#        sparse fp8 decode built from .flashmla/ and timed at our attention shapes, then ours at
+#        the same shapes: bench/flashmla_side_by_side.py)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes
@@ -260,6 +262,14 @@ run_step() {  # name, time limit in s, command...
       # and TFLOP/s at N x h_q = 64x128, 256x128, 64x16 (bench/ncu_kernels.py sweep). JSON to
       # $OUT (bench/results/ is full), printed lines in the log.
       rows_sweep) run_step rows_sweep "${ROWS_SWEEP_LIMIT:-560}" python3 -m bench.ncu_kernels sweep --json "${ROWS_SWEEP_JSON:-$OUT/attention_rows_sweep.json}" --shapes "${ROWS_SWEEP_SHAPES:-64x128,256x128,64x16}" --budget-s "${ROWS_SWEEP_BUDGET:-420}" ;;
+      # FlashMLA's sm90 sparse fp8 decode (V3.2 rows, the fp8_ds_mla layout) built with nvcc from
+      # .flashmla/ (carried: bench/flashmla_side_by_side.py --make-bundle writes it), checked
+      # against a float32 reference, timed at N x h_q = FLASHMLA_SHAPES, K = 2048 (CUDA events and
+      # profiler device time); then, in the same call, our attention at the same shapes for the
+      # FLASHMLA_OURS candidates ("" for none). A failed build is recorded in the JSON.
+      flashmla)
+        run_step flashmla "${FLASHMLA_LIMIT:-590}" python3 -m bench.flashmla_side_by_side --json "$OUT/flashmla_side_by_side-gpu.json" --shapes "${FLASHMLA_SHAPES:-64x128,256x128,64x16}" --ours "${FLASHMLA_OURS-triton,row}" --budget-s "${FLASHMLA_BUDGET:-560}"
+        cp "$OUT/flashmla_side_by_side-gpu.json" bench/results/ 2>/dev/null ;;
       # The op benchmarks (bench/ops/<op>.py), each in its own process within the budget.
       ops) run_step ops "${OPS_LIMIT:-500}" python3 -m bench.ops --budget "${OPS_BUDGET:-480}" ;;
       # The MoE's grouped matmul: its GPU tests (G = 256, skewed and empty groups, one 15 GB

@@ -103,6 +103,12 @@ class RowTuning:
       the staging tile (it refuses some views: False is the safe default).
     compute_registers / producer_registers: setmaxnreg targets; 128 * (2 * compute +
       producer) must be <= 65536.
+    anchor: address Q, the KV tile and the staging tile through an index read from shared
+      memory each tile (always 0) instead of a constant. With constant addresses the
+      compiler hoists the 72 wgmma descriptors of Q K^T (64-bit each) and the conversion's
+      addresses out of the tile loop, and the consumers, already holding the 64 x 256 fp32
+      accumulator, spill them to local memory and reload them every tile; an index the
+      compiler cannot fold keeps them inside the loop, recomputed from one base.
     """
 
     num_splits: int | None = None
@@ -112,6 +118,7 @@ class RowTuning:
     optimized_loads: bool = False
     compute_registers: int = 232
     producer_registers: int = 40
+    anchor: bool = True
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -182,7 +189,11 @@ class _Launch:
 
 
 class _Cta(NamedTuple):
-    """One CTA's grid position and refs (the operands, the outputs, `_scratch_types`)."""
+    """One CTA's grid position and refs (the operands, the outputs, `_scratch_types`).
+
+    q_smem, kv_tile and the staging views carry a leading axis of 1: a consumer indexes them
+    with the anchor (`RowTuning.anchor`) inside the tile loop; `_tile_view` returns the
+    [64, ...] views a tile works on."""
 
     hblk: Any
     split: Any
@@ -201,6 +212,7 @@ class _Cta(NamedTuple):
     stage_f32: Any    # fp8 on the GPU: float32 view of the staging tile (else None)
     stage_bf16: Any   # fp8 on the GPU: bfloat16 view of the staging tile (else None)
     idx_smem: Any
+    anchor: Any       # int32 [2]: consumer w's word, always 0 (`RowTuning.anchor`)
     p_scratch: Any
     bars: Any
 
@@ -216,7 +228,7 @@ class _Bars(NamedTuple):
 
 
 def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_tile,
-          stage_union, idx_smem, *rest):
+          stage_union, idx_smem, anchor, *rest):
     """The kernel: warpgroups 0 and 1 convert and compute (`_consume`), 2 copies (`_produce`)."""
     if lay.interpret:
         p_scratch, *bars = rest
@@ -230,7 +242,7 @@ def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_
     split = lax.axis_index("split")
     cta = _Cta(lax.axis_index("hblk"), split, lax.axis_index("row"), split * lay.tiles,
                q_ref, kv_ref, rows_ref, out_ref, lse_ref, q_smem, o_smem2, lse_smem, kv_tile,
-               stage, stage_f32, stage_bf16, idx_smem, p_scratch, _Bars(*bars))
+               stage, stage_f32, stage_bf16, idx_smem, anchor, p_scratch, _Bars(*bars))
     wg = lax.axis_index("wg")
     for w in range(2):
         pl.when(wg == w)(functools.partial(_consume, lay, cta, w))
@@ -279,18 +291,18 @@ def _copy_rows(lay: _Launch, cta: _Cta, slot) -> None:
         src = jnp.maximum(ident, -1 - ident)   # masked -1 - r -> r, a selected row
         full = cta.bars.full
         if not lay.fp8:
-            plgpu.copy_gmem_to_smem(cta.kv_ref.at[src], cta.stage.at[j, pl.ds(0, _WIDTH)],
+            plgpu.copy_gmem_to_smem(cta.kv_ref.at[src], cta.stage.at[0, j, pl.ds(0, _WIDTH)],
                                     full, oob_mode=mode)
             return
         base = src * kvf.FP8_ROW_BYTES
         if lay.cfg.row_copies == 1:
             plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, _FP8_COPY)],
-                                    cta.stage.at[j, pl.ds(0, _FP8_COPY)], full, oob_mode=mode)
+                                    cta.stage.at[0, j, pl.ds(0, _FP8_COPY)], full, oob_mode=mode)
             return
-        plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, 640)], cta.stage.at[j, pl.ds(0, 640)],
+        plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, 640)], cta.stage.at[0, j, pl.ds(0, 640)],
                                 full, oob_mode=mode)
         plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base + kvf.ROPE_OFFSET, 128)],
-                                cta.stage.at[j, pl.ds(640, 128)], full, oob_mode=mode)
+                                cta.stage.at[0, j, pl.ds(640, 128)], full, oob_mode=mode)
 
     def group(i, c):
         for u in range(unroll):
@@ -309,7 +321,10 @@ def _consume(lay: _Launch, cta: _Cta, w: int) -> None:
     @pl.when(w == 0)
     def _():
         plgpu.copy_gmem_to_smem(cta.q_ref.at[cta.row, pl.ds(cta.hblk * BLOCK_H, BLOCK_H)],
-                                cta.q_smem, bars.q)
+                                cta.q_smem.at[0], bars.q)
+    if lay.cfg.anchor:
+        cta.anchor[w] = jnp.int32(0)
+        plgpu.commit_smem()
     plgpu.barrier_wait(bars.q)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), M_INIT, jnp.float32), row_layout)
@@ -318,6 +333,7 @@ def _consume(lay: _Launch, cta: _Cta, w: int) -> None:
 
     def tile(t, carry):
         acc, m_i, l_i = carry
+        c = _tile_view(lay, cta, w)
         slot = lax.rem(t, 2)
         plgpu.barrier_wait(bars.idx.at[slot])
         plgpu.barrier_wait(bars.full)
@@ -330,20 +346,29 @@ def _consume(lay: _Launch, cta: _Cta, w: int) -> None:
         # A warpgroup barrier (and proxy fence): every warp of this warpgroup is past its
         # wait for P V of tile t - 1 before any overwrites the columns that P V read.
         plgpu.commit_smem()
-        _convert(lay, cta, w)
+        _convert(lay, c, w)
         plgpu.commit_smem()                    # generic-proxy writes -> wgmma (async proxy)
         plgpu.barrier_arrive(bars.empty)
         plgpu.barrier_arrive(bars.conv)
         plgpu.barrier_wait(bars.conv)
-        s = _scores(lay, cta, bias)
+        s = _scores(lay, c, bias)
         plgpu.barrier_arrive(bars.qk)
         p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc)
-        acc = _accumulate_pv(lay, cta, w, p, acc)
+        acc = _accumulate_pv(lay, c, w, p, acc)
         return acc, m_new, l_i
 
     acc, m_i, l_i = lax.fori_loop(0, lay.tiles, tile, (acc, m_i, l_i))
     plgpu.barrier_wait(bars.qk)                # the last Q K^T: barrier phases balanced
     _write_output(cta, w, acc, m_i, l_i)
+
+
+def _tile_view(lay: _Launch, cta: _Cta, w: int) -> _Cta:
+    """cta with Q, the KV tile and the staging views indexed at consumer w's anchor (a
+    shared-memory word the compiler cannot fold; `RowTuning.anchor`) or at 0."""
+    z = cta.anchor[w] if lay.cfg.anchor else 0
+    at = lambda ref: None if ref is None else ref.at[z]     # noqa: E731
+    return cta._replace(q_smem=at(cta.q_smem), kv_tile=at(cta.kv_tile), stage=at(cta.stage),
+                        stage_f32=at(cta.stage_f32), stage_bf16=at(cta.stage_bf16))
 
 
 def _load(lay: _Launch, ref, layout=None):
@@ -449,19 +474,20 @@ def _scratch_types(lay: _Launch) -> list:
     """The kernel's SMEM scratch and barriers, in `_body`'s order."""
     tiled = (plgpu.TilingTransform((8, _CHUNK)), plgpu.SwizzleTransform(128))
     if lay.fp8:
-        stage = plgpu.SMEM((BKV, lay.pitch), jnp.uint8)
+        stage = plgpu.SMEM((1, BKV, lay.pitch), jnp.uint8)
         if not lay.interpret:
-            stage = plgpu.RefUnion(stage, plgpu.SMEM((BKV, lay.pitch // 4), jnp.float32),
-                                   plgpu.SMEM((BKV, lay.pitch // 2), jnp.bfloat16))
+            stage = plgpu.RefUnion(stage, plgpu.SMEM((1, BKV, lay.pitch // 4), jnp.float32),
+                                   plgpu.SMEM((1, BKV, lay.pitch // 2), jnp.bfloat16))
     else:
-        stage = plgpu.SMEM((BKV, lay.pitch // 2), jnp.bfloat16)
+        stage = plgpu.SMEM((1, BKV, lay.pitch // 2), jnp.bfloat16)
     scratch = [
-        plgpu.RefUnion(plgpu.SMEM((BLOCK_H, _WIDTH), jnp.bfloat16, transforms=tiled),   # Q,
+        plgpu.RefUnion(plgpu.SMEM((1, BLOCK_H, _WIDTH), jnp.bfloat16, transforms=tiled),  # Q,
                        (plgpu.SMEM((2, BLOCK_H, _V_HALF), jnp.bfloat16, transforms=tiled),
                         plgpu.SMEM((BLOCK_H,), jnp.float32))),                  # then O, lse
-        plgpu.SMEM((BKV, _WIDTH), jnp.bfloat16, transforms=tiled),              # KV tile
+        plgpu.SMEM((1, BKV, _WIDTH), jnp.bfloat16, transforms=tiled),           # KV tile
         stage,
         plgpu.SMEM((2, BKV), jnp.int32),                                         # row ids
+        plgpu.SMEM((2,), jnp.int32),                                             # anchors
     ]
     if lay.interpret:
         scratch.append(plgpu.SMEM((2, BLOCK_H, BKV), jnp.bfloat16, transforms=tiled))   # P
@@ -483,7 +509,7 @@ def smem_bytes(kv_format: str) -> int:
     pitch = _FP8_PITCH if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
     kib = lambda n: -(-n // 1024) * 1024      # noqa: E731
     return (kib(BLOCK_H * _WIDTH * 2) + kib(BKV * _WIDTH * 2) + kib(BKV * pitch)
-            + kib(2 * BKV * 4))
+            + kib(2 * BKV * 4) + kib(2 * 4))
 
 
 def _kernel_call(q, kv, rows3, *, fmt: str, scale2: float, num_splits: int, cfg: RowTuning,

@@ -34,7 +34,9 @@
 #        rows_sweep (the row-copy Mosaic GPU attention kernel's candidates against the Triton
 #        defaults: correctness, device time, TFLOP/s; JSON to $OUT), flashmla (FlashMLA's sm90
 #        sparse fp8 decode built from .flashmla/ and timed at our attention shapes, then ours at
-#        the same shapes: bench/flashmla_side_by_side.py)
+#        the same shapes: bench/flashmla_side_by_side.py), fp8_e2e (DeepSeek-V3.2's real-dimension
+#        slice at 256 requests: fp8_ds_mla rows on triton and on mosaic_gpu against bf16 rows on
+#        triton; JSON to $OUT)
 # jax's persistent compilation cache is on for every step (JAX_COMPILATION_CACHE_DIR, default
 # .jax_cache/ in the tree), so a step that compiles what an earlier one compiled does not.
 # Each step has its own time limit and a failing step does not stop the others. The log goes

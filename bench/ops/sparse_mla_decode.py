@@ -138,19 +138,21 @@ def mosaic_row_variants() -> dict:
     when passed as the config of backend "mosaic_gpu". The knobs: one 768-byte copy per fp8
     row or 640 + 128 bytes (`row_copies`), copies issued per producer loop iteration
     (`copy_unroll`), Pallas' automatic warpgroup barriers (one before every copy), Mosaic's
-    bank-conflict-checked staging loads (bf16 rows only: fp8 views are refused), fewer
-    consumer registers for a larger producer budget."""
+    bank-conflict-checked staging loads (bf16 rows only: fp8 views are refused), Q K^T by
+    both consumers instead of P handed from one to the other (`share_p=False`, fp8 rows),
+    constant tile addresses (`anchor=False`: the descriptors hoisted out of the tile loop
+    and spilled)."""
     try:
         from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8 import RowTuning
     except ImportError:
         return {}
     return {
         "row": RowTuning(),
+        "row_noshare": RowTuning(share_p=False),
+        "row_noanchor": RowTuning(anchor=False),
         "row_2copies": RowTuning(row_copies=2),
         "row_unroll1": RowTuning(copy_unroll=1),
-        "row_unroll16": RowTuning(copy_unroll=16),
         "row_autobar": RowTuning(auto_barriers=True),
-        "row_regs224": RowTuning(compute_registers=224, producer_registers=56),
     }
 
 

@@ -28,11 +28,18 @@ Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selecte
     then compute, and the producer's copies of tile t + 1 overlap the matmuls of tile t.
   * Conversion is split by value half: consumer w writes latent columns [256 w, 256 w + 256)
     (the columns its own P V reads) and consumer 0 also the rope. Before overwriting them for
-    tile t + 1 it waits until the other consumer's Q K^T of tile t is done (`qk_done`); its own
-    P V of tile t finished in program order. After both converted (`conv_done`) each computes
-    S = Q K^T over all 576 columns (both: the 64 x 512 fp32 accumulator does not fit one
-    warpgroup), the online softmax in base 2 (running max starts at the finite `M_INIT`), and
-    acc += P V over its 256 value columns.
+    tile t + 1 it waits until the Q K^T of tile t that reads them is done (`qk`); its own
+    P V of tile t finished in program order. After both converted (`conv`): fp8 rows with
+    `RowTuning.share_p` (the default) have consumer 0 compute S = Q K^T over all 576
+    columns and the online softmax in base 2 (running max starts at the finite `M_INIT`),
+    then hand P (bf16) and the rescale factor to consumer 1 through SMEM; each runs
+    acc += P V over its 256 value columns (the 64 x 512 fp32 accumulator does not fit one
+    warpgroup). Without share_p (and for bf16 rows, whose SMEM has no room for P) both
+    consumers compute S and the softmax. The consumers live in `mosaic_gpu_fp8_consume.py`.
+  * Q, the KV tile and the staging tile are addressed inside the tile loop through an index
+    read from SMEM (always 0, `RowTuning.anchor`): with constant addresses the compiler
+    hoists Q K^T's 72 wgmma descriptors out of the loop, next to the 128-register
+    accumulator, and spills them (ptxas).
   * fp8 details: the latent chunk [64 rows, 64 bytes] is loaded in the WGMMA register layout,
     bitcast to float8_e4m3fn and widened (e4m3 -> f16 is exact; f16 -> f32), multiplied by
     the row's float32 scale and rounded to bf16 once. The scales and the rope are read on the
@@ -49,16 +56,17 @@ Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selecte
 
 `interpret=True` runs the same kernel in Mosaic GPU interpret mode on the CPU (jax 0.11+). The
 differences: the typed staging views (above); P V reads P from SMEM with a fresh accumulator
-(the interpreter has neither `run_state` nor register-A wgmma); the flat fp8 cache is padded
-with 112 zero bytes so the over-reading copy of the last row stays in bounds (on the GPU
-Mosaic clamps the copy at the end of the cache and completes the missing bytes).
+(the interpreter has neither `run_state` nor register-A wgmma; with share_p the shared P, else
+a P scratch per consumer: jax 0.11.2's interpreter hangs, cause not found, when both are
+allocated); the flat fp8 cache is padded with 112 zero bytes so the over-reading copy of the
+last row stays in bounds (on the GPU Mosaic clamps the copy at the end of the cache and
+completes the missing bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -68,24 +76,24 @@ from jax import lax
 
 from pallas_kernels import _compat
 from pallas_kernels import kv_format as kvf
-from pallas_kernels.sparse_mla_decode.mosaic_gpu import (
-    BLOCK_H,
-    _choose_splits,
-    _softmax_update,
-    redirect_masked,
+from pallas_kernels.sparse_mla_decode.mosaic_gpu import BLOCK_H, _choose_splits, redirect_masked
+from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8_consume import (
+    _CHUNK,
+    _V,
+    _V_HALF,
+    _WIDTH,
+    BKV,
+    _Bars,
+    _consume,
+    _Cta,
+    _Launch,
 )
-from pallas_kernels.sparse_mla_decode.reference import LOG2E, M_INIT, merge_splits, pad_operands
+from pallas_kernels.sparse_mla_decode.reference import LOG2E, merge_splits, pad_operands
 
-BKV = 64                  # selected rows per tile (wgmma N of Q K^T, K of P V)
-_CHUNK = 64               # bf16 columns per swizzled tile column (128-byte swizzle)
-_WIDTH = kvf.ROW_WIDTH    # 576
-_V = kvf.LATENT_DIM       # 512
-_V_HALF = _V // 2
 _SMEM_BYTES = 232448      # opt-in shared memory per block on Hopper (227 KiB)
 _FP8_COPY = 768           # bytes of the one-copy fp8 row transfer (6 x 128)
 _FP8_PITCH = 784          # staging row pitch, fp8 (16 B of bank skew)
 _BF16_PITCH = 584         # staging row pitch, bf16 rows, in bf16 elements (1168 B)
-_ROPE_AT = {1: 528, 2: 640}   # byte of the rope in a staged fp8 row, per `row_copies`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +117,10 @@ class RowTuning:
       addresses out of the tile loop, and the consumers, already holding the 64 x 256 fp32
       accumulator, spill them to local memory and reload them every tile; an index the
       compiler cannot fold keeps them inside the loop, recomputed from one base.
+    share_p: fp8 rows only (bf16 rows: no shared memory is left for P): consumer 0 alone
+      computes S = Q K^T and the softmax and hands P and the rescale factor to consumer 1
+      through shared memory, so the tensor cores run Q K^T once per tile, not twice
+      (`mosaic_gpu_fp8_consume.py`). Same values either way.
     """
 
     num_splits: int | None = None
@@ -119,6 +131,7 @@ class RowTuning:
     compute_registers: int = 232
     producer_registers: int = 40
     anchor: bool = True
+    share_p: bool = True
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -171,69 +184,13 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launch:
-    """Static shape of one launch: `tiles` tiles of BKV rows per CTA, rows of `fmt`, the
-    staging tile's pitch (bytes), `scale2` = sm_scale * log2(e)."""
-
-    tiles: int
-    fmt: str
-    pitch: int
-    scale2: float
-    cfg: RowTuning
-    interpret: bool
-
-    @property
-    def fp8(self) -> bool:
-        return self.fmt == kvf.FP8_DS_MLA
-
-
-class _Cta(NamedTuple):
-    """One CTA's grid position and refs (the operands, the outputs, `_scratch_types`).
-
-    q_smem, kv_tile and the staging views carry a leading axis of 1: a consumer indexes them
-    with the anchor (`RowTuning.anchor`) inside the tile loop; `_tile_view` returns the
-    [64, ...] views a tile works on."""
-
-    hblk: Any
-    split: Any
-    row: Any
-    tile0: Any
-    q_ref: Any
-    kv_ref: Any
-    rows_ref: Any
-    out_ref: Any
-    lse_ref: Any
-    q_smem: Any
-    o_smem2: Any
-    lse_smem: Any
-    kv_tile: Any
-    stage: Any        # the staging tile (uint8 [64, pitch] fp8, bf16 [64, pitch / 2] bf16)
-    stage_f32: Any    # fp8 on the GPU: float32 view of the staging tile (else None)
-    stage_bf16: Any   # fp8 on the GPU: bfloat16 view of the staging tile (else None)
-    idx_smem: Any
-    anchor: Any       # int32 [2]: consumer w's word, always 0 (`RowTuning.anchor`)
-    p_scratch: Any
-    bars: Any
-
-
-class _Bars(NamedTuple):
-    q: Any           # Q landed
-    idx: Any         # [2]: the row ids of a tile landed
-    full: Any        # the staging tile's row copies landed
-    empty: Any       # both consumers converted the staging tile (2 arrivals)
-    conv: Any        # both consumers wrote their part of the KV tile (2 arrivals)
-    qk: Any          # both consumers finished Q K^T of the KV tile (2 arrivals)
-    done: Any        # both consumers are done with Q (its SMEM then holds O) (2 arrivals)
-
-
 def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_tile,
           stage_union, idx_smem, anchor, *rest):
     """The kernel: warpgroups 0 and 1 convert and compute (`_consume`), 2 copies (`_produce`)."""
-    if lay.interpret:
-        p_scratch, *bars = rest
-    else:
-        p_scratch, bars = None, rest
+    rest = list(rest)
+    p_share, stats = (rest.pop(0), rest.pop(0)) if lay.share_p else (None, None)
+    p_scratch = rest.pop(0) if lay.interpret and not lay.share_p else None
+    bars = rest + [None] * (len(_Bars._fields) - len(rest))
     q_smem, (o_smem2, lse_smem) = qo_union
     if lay.fp8 and not lay.interpret:
         stage, stage_f32, stage_bf16 = stage_union
@@ -242,7 +199,8 @@ def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_
     split = lax.axis_index("split")
     cta = _Cta(lax.axis_index("hblk"), split, lax.axis_index("row"), split * lay.tiles,
                q_ref, kv_ref, rows_ref, out_ref, lse_ref, q_smem, o_smem2, lse_smem, kv_tile,
-               stage, stage_f32, stage_bf16, idx_smem, anchor, p_scratch, _Bars(*bars))
+               stage, stage_f32, stage_bf16, idx_smem, anchor, p_share, stats, p_scratch,
+               _Bars(*bars))
     wg = lax.axis_index("wg")
     for w in range(2):
         pl.when(wg == w)(functools.partial(_consume, lay, cta, w))
@@ -313,161 +271,6 @@ def _copy_rows(lay: _Launch, cta: _Cta, slot) -> None:
 
 # ------------------------------------------------------------------------------ consumers
 
-def _consume(lay: _Launch, cta: _Cta, w: int) -> None:
-    """Consumer w: per tile, convert its part of the staging tile, then S, softmax, P V_w."""
-    plgpu.set_max_registers(lay.cfg.compute_registers, action="increase")
-    bars = cta.bars
-
-    @pl.when(w == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(cta.q_ref.at[cta.row, pl.ds(cta.hblk * BLOCK_H, BLOCK_H)],
-                                cta.q_smem.at[0], bars.q)
-    if lay.cfg.anchor:
-        cta.anchor[w] = jnp.int32(0)
-        plgpu.commit_smem()
-    plgpu.barrier_wait(bars.q)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), M_INIT, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_layout)
-    acc = plgpu.layout_cast(jnp.full((BLOCK_H, _V_HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-    def tile(t, carry):
-        acc, m_i, l_i = carry
-        c = _tile_view(lay, cta, w)
-        slot = lax.rem(t, 2)
-        plgpu.barrier_wait(bars.idx.at[slot])
-        plgpu.barrier_wait(bars.full)
-        ids = plgpu.load(cta.idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        bias = jnp.where(ids >= 0, 0.0, -jnp.inf).astype(jnp.float32)
-
-        @pl.when(t > 0)
-        def _():
-            plgpu.barrier_wait(bars.qk)        # the other consumer's Q K^T of tile t - 1
-        # A warpgroup barrier (and proxy fence): every warp of this warpgroup is past its
-        # wait for P V of tile t - 1 before any overwrites the columns that P V read.
-        plgpu.commit_smem()
-        _convert(lay, c, w)
-        plgpu.commit_smem()                    # generic-proxy writes -> wgmma (async proxy)
-        plgpu.barrier_arrive(bars.empty)
-        plgpu.barrier_arrive(bars.conv)
-        plgpu.barrier_wait(bars.conv)
-        s = _scores(lay, c, bias)
-        plgpu.barrier_arrive(bars.qk)
-        p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc)
-        acc = _accumulate_pv(lay, c, w, p, acc)
-        return acc, m_new, l_i
-
-    acc, m_i, l_i = lax.fori_loop(0, lay.tiles, tile, (acc, m_i, l_i))
-    plgpu.barrier_wait(bars.qk)                # the last Q K^T: barrier phases balanced
-    _write_output(cta, w, acc, m_i, l_i)
-
-
-def _tile_view(lay: _Launch, cta: _Cta, w: int) -> _Cta:
-    """cta with Q, the KV tile and the staging views indexed at consumer w's anchor (a
-    shared-memory word the compiler cannot fold; `RowTuning.anchor`) or at 0."""
-    z = cta.anchor[w] if lay.cfg.anchor else 0
-    at = lambda ref: None if ref is None else ref.at[z]     # noqa: E731
-    return cta._replace(q_smem=at(cta.q_smem), kv_tile=at(cta.kv_tile), stage=at(cta.stage),
-                        stage_f32=at(cta.stage_f32), stage_bf16=at(cta.stage_bf16))
-
-
-def _load(lay: _Launch, ref, layout=None):
-    return plgpu.load(ref, layout=layout or plgpu.Layout.WGMMA,
-                      optimized=lay.cfg.optimized_loads)
-
-
-def _convert(lay: _Launch, cta: _Cta, w: int) -> None:
-    """Consumer w's columns of the KV tile from the staging tile: latent columns
-    [256 w, 256 w + 256) (4 chunks of 64) and, for w = 0, the 64 rope columns."""
-    chunks = range(4 * w, 4 * w + 4)
-    if not lay.fp8:
-        for c in [*chunks, *([8] if w == 0 else [])]:
-            cta.kv_tile[:, pl.ds(c * _CHUNK, _CHUNK)] = _load(
-                lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)])
-        return
-    scales = _fp8_scales(lay, cta, (2 * w, 2 * w + 1))
-    for c in chunks:
-        raw = _load(lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)])       # uint8 [64, 64]
-        x = lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
-        x = x.astype(jnp.float16).astype(jnp.float32)                      # exact
-        x = x * lax.broadcast_in_dim(scales[c // 2 - 2 * w], x.shape, [0])
-        cta.kv_tile[:, pl.ds(c * _CHUNK, _CHUNK)] = x.astype(jnp.bfloat16)
-    if w == 0:
-        cta.kv_tile[:, pl.ds(_V, _CHUNK)] = _fp8_rope(lay, cta)
-
-
-def _fp8_scales(lay: _Launch, cta: _Cta, groups) -> list:
-    """The float32 scales of `groups` of the tile's 64 rows, each [64] in the WGMMA row
-    layout."""
-    if lay.interpret:
-        b = _load(lay, cta.stage.at[:, pl.ds(kvf.SCALE_OFFSET, 16)]).astype(jnp.uint32)
-        return [lax.bitcast_convert_type(b[:, 4 * g] | (b[:, 4 * g + 1] << 8)
-                                         | (b[:, 4 * g + 2] << 16) | (b[:, 4 * g + 3] << 24),
-                                         jnp.float32) for g in groups]
-    words = _load(lay, cta.stage_f32.at[:, pl.ds(kvf.SCALE_OFFSET // 4, 8)])   # [64, 8] f32
-    col = plgpu.broadcasted_iota(jnp.int32, words.shape, 1, layout=plgpu.Layout.WGMMA)
-    # The 4 other words of the slice are rope bytes read as float32 (maybe NaN): `where`
-    # keeps them out of the sums.
-    return [jnp.sum(jnp.where(col == g, words, 0.0), axis=1) for g in groups]
-
-
-def _fp8_rope(lay: _Launch, cta: _Cta):
-    """The tile's 64 rope values per row, bfloat16 [64, 64] in the WGMMA layout."""
-    at = _ROPE_AT[lay.cfg.row_copies]
-    if lay.interpret:
-        b = _load(lay, cta.stage.at[:, pl.ds(at, 2 * kvf.ROPE_DIM)])
-        return lax.bitcast_convert_type(b.reshape(BKV, kvf.ROPE_DIM, 2), jnp.bfloat16)
-    return _load(lay, cta.stage_bf16.at[:, pl.ds(at // 2, kvf.ROPE_DIM)])
-
-
-def _scores(lay: _Launch, cta: _Cta, bias):
-    """S = scale2 * Q K^T of the KV tile ([64, 64] fp32, all 576 columns), -inf where the
-    row id is < 0 (`bias`)."""
-    def qk(acc_ref):
-        plgpu.wgmma(acc_ref, cta.q_smem, cta.kv_tile.transpose((1, 0)))
-        return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BKV), jnp.float32))
-    return s * lay.scale2 + lax.broadcast_in_dim(bias, s.shape, [1])
-
-
-def _accumulate_pv(lay: _Launch, cta: _Cta, w: int, p, acc):
-    """acc + P V_w: P [64, 64] in bf16 times value columns [256 w, 256 w + 256)."""
-    v_ref = cta.kv_tile.at[:, pl.ds(w * _V_HALF, _V_HALF)]
-    p16 = p.astype(jnp.bfloat16)
-    if lay.interpret:
-        p_smem = cta.p_scratch.at[w]
-        p_smem[...] = p16
-        plgpu.commit_smem()
-
-        def pv_fresh(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_ref)
-            return acc_ref[...]
-        return acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_H, _V_HALF), jnp.float32))
-
-    def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_ref)
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-
-def _write_output(cta: _Cta, w: int, acc, m_i, l_i) -> None:
-    """Consumer w's normalised output columns (and from consumer 0 the base-2 lse) to GMEM
-    through the SMEM that held Q."""
-    plgpu.barrier_arrive(cta.bars.done)
-    plgpu.barrier_wait(cta.bars.done)
-    inv_l = 1.0 / jnp.maximum(l_i, 1e-30)     # all-masked: acc = 0, l = 0 -> out 0
-    o_smem = cta.o_smem2.at[w]
-    o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
-    if w == 0:
-        cta.lse_smem[...] = m_i + jnp.log2(l_i)
-    plgpu.commit_smem()
-    heads = pl.ds(cta.hblk * BLOCK_H, BLOCK_H)
-    plgpu.copy_smem_to_gmem(o_smem, cta.out_ref.at[cta.row, cta.split, heads,
-                                                   pl.ds(w * _V_HALF, _V_HALF)])
-    if w == 0:
-        plgpu.copy_smem_to_gmem(cta.lse_smem, cta.lse_ref.at[cta.row, cta.split, heads])
-    plgpu.wait_smem_to_gmem(0)
-
-
 # ------------------------------------------------------------------------------ launch
 
 def _scratch_types(lay: _Launch) -> list:
@@ -489,27 +292,34 @@ def _scratch_types(lay: _Launch) -> list:
         plgpu.SMEM((2, BKV), jnp.int32),                                         # row ids
         plgpu.SMEM((2,), jnp.int32),                                             # anchors
     ]
-    if lay.interpret:
-        scratch.append(plgpu.SMEM((2, BLOCK_H, BKV), jnp.bfloat16, transforms=tiled))   # P
+    if lay.share_p:
+        scratch += [plgpu.SMEM((BLOCK_H, BKV), jnp.bfloat16, transforms=tiled),  # shared P
+                    plgpu.SMEM((2, BLOCK_H), jnp.float32)]                      # alpha, l
+    if lay.interpret and not lay.share_p:   # P for the interpreter's SMEM-operand P V
+        scratch.append(plgpu.SMEM((2, BLOCK_H, BKV), jnp.bfloat16, transforms=tiled))
     scratch += [
         plgpu.Barrier(),                                         # q
         plgpu.Barrier(num_barriers=2),                           # idx
         plgpu.Barrier(num_arrivals=BKV * (lay.cfg.row_copies if lay.fp8 else 1)),  # full
         plgpu.Barrier(num_arrivals=2),                           # empty
         plgpu.Barrier(num_arrivals=2),                           # conv
-        plgpu.Barrier(num_arrivals=2),                           # qk
+        plgpu.Barrier(num_arrivals=1 if lay.share_p else 2),     # qk
         plgpu.Barrier(num_arrivals=2),                           # done
     ]
+    if lay.share_p:
+        scratch += [plgpu.Barrier(), plgpu.Barrier()]            # pready, pfree
     return scratch
 
 
-def smem_bytes(kv_format: str) -> int:
+def smem_bytes(kv_format: str, share_p: bool = False) -> int:
     """Shared memory of one CTA (each buffer rounded up to Pallas' 1 KiB alignment), the
-    barriers aside: checked against the 227 KiB of a Hopper SM at trace time."""
+    barriers aside: checked against the 227 KiB of a Hopper SM at trace time. `share_p`:
+    the shared P and the alpha / l rows (`RowTuning.share_p`)."""
     pitch = _FP8_PITCH if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
     kib = lambda n: -(-n // 1024) * 1024      # noqa: E731
+    shared = kib(BLOCK_H * BKV * 2) + kib(2 * BLOCK_H * 4) if share_p else 0
     return (kib(BLOCK_H * _WIDTH * 2) + kib(BKV * _WIDTH * 2) + kib(BKV * pitch)
-            + kib(2 * BKV * 4) + kib(2 * 4))
+            + kib(2 * BKV * 4) + kib(2 * 4) + shared)
 
 
 def _kernel_call(q, kv, rows3, *, fmt: str, scale2: float, num_splits: int, cfg: RowTuning,
@@ -521,13 +331,13 @@ def _kernel_call(q, kv, rows3, *, fmt: str, scale2: float, num_splits: int, cfg:
     float32 (base-2 log-sum-exp of scale2 * q.k)."""
     num_rows, h_pad, _ = q.shape
     num_tiles = rows3.shape[1]
-    need = smem_bytes(fmt)
-    if need > _SMEM_BYTES:
-        raise ValueError(f"the row-copy kernel needs {need} B of shared memory; the limit is "
-                         f"{_SMEM_BYTES}")
     pitch = _FP8_PITCH if fmt == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
     lay = _Launch(tiles=num_tiles // num_splits, fmt=fmt, pitch=pitch, scale2=scale2, cfg=cfg,
                   interpret=interpret)
+    need = smem_bytes(fmt, lay.share_p)
+    if need > _SMEM_BYTES:
+        raise ValueError(f"the row-copy kernel needs {need} B of shared memory; the limit is "
+                         f"{_SMEM_BYTES}")
 
     def sparse_mla_decode_rows(*refs):   # plgpu.kernel names the kernel after its function
         _body(lay, *refs)

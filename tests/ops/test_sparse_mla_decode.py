@@ -856,6 +856,9 @@ ROW_CASES = {   # (kv_format, n, h, top_k, hole_frac, invalid_rows, RowTuning kn
                                               {"num_splits": 2, "row_copies": 2}),
     "fp8_odd_heads_unroll1_barriers": (FP8, 1, 80, 64, 0.0, (),
                                        {"copy_unroll": 1, "auto_barriers": True}),
+    "fp8_shared_p_splits_no_anchor": (FP8, 3, 128, 300, 0.4, (1,),
+                                      {"share_p": True, "num_splits": 2, "anchor": False}),
+    "fp8_shared_p_one_tile": (FP8, 2, 16, 50, 0.2, (), {"share_p": True}),
     "bf16_rows": ("bf16", 2, 16, 128, 0.3, (0,), {}),
     "bf16_two_head_blocks_splits": ("bf16", 1, 128, 100, 0.2, (),
                                     {"num_splits": 2, "copy_unroll": 4}),
@@ -899,7 +902,8 @@ def test_row_kernel_masked_rows_are_never_read(fmt, request):
         return
     inputs = (poisoned_fp8_inputs(31, 4, 16, 128, 300) if fmt == FP8
               else poisoned_inputs(31, 4, 16, 128, 300, nan_query=True))
-    check_poisoned_run(*inputs, "mosaic_gpu", _row_tuning(num_splits=2), kv_format=fmt)
+    check_poisoned_run(*inputs, "mosaic_gpu", _row_tuning(num_splits=2, share_p=fmt == FP8),
+                       kv_format=fmt)
 
 
 @pytest.mark.parametrize("knobs, match", [

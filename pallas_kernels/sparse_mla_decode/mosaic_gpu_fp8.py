@@ -57,10 +57,10 @@ Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selecte
 `interpret=True` runs the same kernel in Mosaic GPU interpret mode on the CPU (jax 0.11+). The
 differences: the typed staging views (above); P V reads P from SMEM with a fresh accumulator
 (the interpreter has neither `run_state` nor register-A wgmma; with share_p the shared P, else
-a P scratch per consumer: jax 0.11.2's interpreter hangs, cause not found, when both are
-allocated); the flat fp8 cache is padded with 112 zero bytes so the over-reading copy of the
-last row stays in bounds (on the GPU Mosaic clamps the copy at the end of the cache and
-completes the missing bytes).
+a P scratch per consumer); share_p only with one tile per CTA (jax's interpreter hung on it
+otherwise, and with both P buffers allocated; causes not found); the flat fp8 cache is padded
+with 112 zero bytes so the over-reading copy of the last row stays in bounds (on the GPU
+Mosaic clamps the copy at the end of the cache and completes the missing bytes).
 """
 
 from __future__ import annotations

@@ -53,8 +53,11 @@ class _Launch:
 
     @property
     def share_p(self) -> bool:
-        """Consumer 0 computes S and hands P to consumer 1 (fp8 rows with RowTuning.share_p)."""
-        return self.fp8 and self.cfg.share_p
+        """Consumer 0 computes S and hands P to consumer 1: fp8 rows with RowTuning.share_p,
+        on the GPU; under the interpreter only with one tile per CTA (jax 0.11-0.12's Mosaic
+        GPU interpreter hangs on this schedule over several tiles on a two-core machine: one
+        consumer's simulated thread never starts; the cause was not found)."""
+        return self.fp8 and self.cfg.share_p and (not self.interpret or self.tiles == 1)
 
 
 class _Cta(NamedTuple):

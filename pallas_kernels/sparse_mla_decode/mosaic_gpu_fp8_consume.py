@@ -188,7 +188,7 @@ def _tile_shared(lay: _Launch, cta: _Cta, w: int, t, carry):
     cta.stats[0] = alpha
     plgpu.commit_smem()                    # generic writes -> consumer 1 and its wgmma
     plgpu.barrier_arrive(bars.pready)
-    acc = _accumulate_pv(lay, c, w, p, acc, p_smem=cta.p_share if lay.interpret else None)
+    acc = _accumulate_pv(lay, c, w, p16, acc, p_smem=cta.p_share if lay.interpret else None)
     return acc, m_new, l_i
 
 

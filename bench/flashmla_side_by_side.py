@@ -38,7 +38,8 @@ Before timing, FlashMLA's output on small shapes is checked against a float32 re
 layout. `--ours NAMES`: afterwards, in a subprocess (jax must not share the process with
 torch's allocator), our attention at the same shapes through `bench.ncu_kernels`' sweep
 measurement (`_sweep_one`: correctness, wall, jax-profiler kernel and device time) for the
-named candidates (`triton`, `row`, `row_unroll16`, ...), fp8_ds_mla rows.
+named candidates (`triton`, `row`, `row_noshare`, ...: the row-copy ones are
+`bench.ops.sparse_mla_decode.mosaic_row_variants`), fp8_ds_mla rows.
 
 A failing build writes the JSON with the compiler's error and exits 0, so that the suite call
 goes on. The JSON is rewritten after every figure.

@@ -241,10 +241,11 @@ run_step() {  # name, time limit in s, command...
             attn-n256-h128) one $case sparse_mla_decode attention --n 256 --h 128 ;;
             attn-n1-h128) one $case sparse_mla_decode attention --n 1 --h 128 ;;
             attn-n64-h128-fp8) one $case sparse_mla_decode attention --n 64 --h 128 --kv-format fp8_ds_mla ;;
-            # The Mosaic GPU row-copy kernel over fp8 rows (its default RowTuning).
-            attn-n64-h128-fp8-row|attn-n256-h128-fp8-row)
-              n=${case#attn-n}; n=${n%%-*}
-              one $case sparse_mla_decode attention --n "$n" --h 128 --kv-format fp8_ds_mla --backend mosaic_gpu --tuning row ;;
+            # The Mosaic GPU row-copy kernel over fp8 rows (NCU_ROW_TUNING: a variant of
+            # bench.ops.sparse_mla_decode.mosaic_row_variants, default `row`, its default).
+            attn-n64-h128-fp8-row|attn-n256-h128-fp8-row|attn-n64-h16-fp8-row)
+              n=${case#attn-n}; n=${n%%-*}; h=${case#attn-n*-h}; h=${h%%-*}
+              one $case sparse_mla_decode attention --n "$n" --h "$h" --kv-format fp8_ds_mla --backend mosaic_gpu --tuning "${NCU_ROW_TUNING:-row}" ;;
             resolve-n64) one $case resolve resolve --n 64 ;;
             resolve-n256) one $case resolve resolve --n 256 ;;
             resolve-map-n64) one $case resolve resolve --n 64 --rule map ;;

@@ -141,7 +141,9 @@ def mosaic_row_variants() -> dict:
     bank-conflict-checked staging loads (bf16 rows only: fp8 views are refused), Q K^T by
     both consumers instead of P handed from one to the other (`share_p=False`, fp8 rows),
     constant tile addresses (`anchor=False`: the descriptors hoisted out of the tile loop
-    and spilled)."""
+    and spilled), the copies issued from the producer's 4 warps (`copy_warps`), the next
+    tile's rows prefetched into L2 (`prefetch`, fp8 rows), the copies promised in bounds
+    (`in_bounds`, fp8 rows)."""
     try:
         from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8 import RowTuning
     except ImportError:
@@ -153,6 +155,11 @@ def mosaic_row_variants() -> dict:
         "row_2copies": RowTuning(row_copies=2),
         "row_unroll1": RowTuning(copy_unroll=1),
         "row_autobar": RowTuning(auto_barriers=True),
+        "row_warps": RowTuning(copy_warps=True),
+        "row_prefetch": RowTuning(prefetch=True),
+        "row_warps_prefetch": RowTuning(copy_warps=True, prefetch=True),
+        "row_inbounds": RowTuning(in_bounds=True),
+        "row_warps_inbounds": RowTuning(copy_warps=True, in_bounds=True),
     }
 
 

@@ -94,6 +94,7 @@ _SMEM_BYTES = 232448      # opt-in shared memory per block on Hopper (227 KiB)
 _FP8_COPY = 768           # bytes of the one-copy fp8 row transfer (6 x 128)
 _FP8_PITCH = 784          # staging row pitch, fp8 (16 B of bank skew)
 _BF16_PITCH = 584         # staging row pitch, bf16 rows, in bf16 elements (1168 B)
+_PREFETCH_BOX = 256       # bytes per L2 prefetch (a TMA box dimension holds <= 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,18 @@ class RowTuning:
       computes S = Q K^T and the softmax and hands P and the rescale factor to consumer 1
       through shared memory, so the tensor cores run Q K^T once per tile, not twice
       (`mosaic_gpu_fp8_consume.py`). Same values either way.
+    copy_warps: the producer's 4 warps each issue a quarter of the tile's row copies (warp-
+      level lowering), instead of every copy going through the warpgroup's first thread one
+      after another. GPU only: the interpreter runs the warpgroup loop (the same copies).
+    prefetch: fp8 rows only: once tile t's copies are issued, the producer asks L2 for the
+      768 bytes of every row of tile t + 1 (three 256-byte TMA prefetches a row), so those
+      copies, which may start only after tile t is converted, read L2 instead of DRAM. GPU
+      only: a prefetch changes no value, and the interpreter skips it.
+    in_bounds: fp8 rows with `row_copies=1`, on the GPU: every 768-byte copy stays inside
+      the cache (the last row's starts 112 bytes before the row, into the row of slack in
+      front of its staging row, `_Launch.row0`), so the copies are issued as promised in
+      bounds: without the clamp at the cache's end and its completion of the missing bytes
+      (one mbarrier operation a copy). The interpreter pads the cache instead.
     """
 
     num_splits: int | None = None
@@ -132,6 +145,9 @@ class RowTuning:
     producer_registers: int = 40
     anchor: bool = True
     share_p: bool = True
+    copy_warps: bool = False
+    prefetch: bool = False
+    in_bounds: bool = False
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -140,6 +156,9 @@ class RowTuning:
             raise ValueError(f"RowTuning.row_copies must be 1 or 2, got {self.row_copies}")
         if self.copy_unroll < 1 or BKV % self.copy_unroll:
             raise ValueError(f"RowTuning.copy_unroll must divide {BKV}, got {self.copy_unroll}")
+        if self.copy_warps and (BKV // 4) % self.copy_unroll:
+            raise ValueError(f"RowTuning.copy_unroll must divide {BKV // 4} (the rows of one "
+                             f"warp) with copy_warps, got {self.copy_unroll}")
         regs = 128 * (2 * self.compute_registers + self.producer_registers)
         if regs > 65536 or min(self.compute_registers, self.producer_registers) < 24:
             raise ValueError(f"RowTuning registers must be >= 24 each and fit the 64K register "
@@ -193,13 +212,14 @@ def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_
     bars = rest + [None] * (len(_Bars._fields) - len(rest))
     q_smem, (o_smem2, lse_smem) = qo_union
     if lay.fp8 and not lay.interpret:
-        stage, stage_f32, stage_bf16 = stage_union
+        stage, stage_f32, stage_bf16, stage_flat = stage_union
     else:
-        stage, stage_f32, stage_bf16 = stage_union, None, None
+        stage, stage_f32, stage_bf16, stage_flat = stage_union, None, None, None
     split = lax.axis_index("split")
     cta = _Cta(lax.axis_index("hblk"), split, lax.axis_index("row"), split * lay.tiles,
                q_ref, kv_ref, rows_ref, out_ref, lse_ref, q_smem, o_smem2, lse_smem, kv_tile,
-               stage, stage_f32, stage_bf16, idx_smem, anchor, p_share, stats, p_scratch,
+               stage, stage_f32, stage_bf16, stage_flat, idx_smem, anchor, p_share, stats,
+               p_scratch,
                _Bars(*bars))
     wg = lax.axis_index("wg")
     for w in range(2):
@@ -211,11 +231,15 @@ def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_
 
 def _produce(lay: _Launch, cta: _Cta) -> None:
     """Row ids of tile t + 1 go to SMEM while tile t's rows are copied; tile t's copies wait
-    until both consumers converted tile t - 1 out of the staging tile."""
+    until both consumers converted tile t - 1 out of the staging tile. The ids of tile t + 1
+    are waited for right after tile t's copies are issued (`RowTuning.prefetch` then asks L2
+    for its rows), so that each `idx` completion is waited for once."""
     plgpu.set_max_registers(lay.cfg.producer_registers, action="decrease")
     bars = cta.bars
     for t in range(min(2, lay.tiles)):
         _copy_ids(cta, t, t)
+    plgpu.barrier_wait(bars.idx.at[0])
+    _prefetch_rows(lay, cta, 0)
 
     def tile(t, c):
         @pl.when(t > 0)
@@ -225,9 +249,13 @@ def _produce(lay: _Launch, cta: _Cta) -> None:
             @pl.when(t + 1 < lay.tiles)
             def _():
                 _copy_ids(cta, t + 1, lax.rem(t + 1, 2))
-        slot = lax.rem(t, 2)
-        plgpu.barrier_wait(bars.idx.at[slot])
-        _copy_rows(lay, cta, slot)
+        _copy_rows(lay, cta, lax.rem(t, 2))
+
+        @pl.when(t + 1 < lay.tiles)
+        def _():
+            slot = lax.rem(t + 1, 2)
+            plgpu.barrier_wait(bars.idx.at[slot])
+            _prefetch_rows(lay, cta, slot)
         return c
     lax.fori_loop(0, lay.tiles, tile, None)
     plgpu.barrier_wait(bars.empty)      # the last conversion: barrier phases balanced
@@ -238,35 +266,77 @@ def _copy_ids(cta: _Cta, t, slot) -> None:
                             cta.bars.idx.at[slot])
 
 
+def _source_row(cta: _Cta, slot, j):
+    """The cache row entry j of the tile in id slot `slot` copies: a masked entry holds
+    -1 - r for a row r its query row selects (`redirect_masked`)."""
+    ident = cta.idx_smem[slot, j]
+    return jnp.maximum(ident, -1 - ident)
+
+
+def _per_row(lay: _Launch, fn) -> None:
+    """fn(j) for the tile's 64 entries j, `copy_unroll` per loop iteration: from the
+    warpgroup, or with `copy_warps` (on the GPU) 16 entries from each of its 4 warps."""
+    unroll = lay.cfg.copy_unroll
+
+    def rows(first, count):
+        def group(i, c):
+            for u in range(unroll):
+                fn(first + i * unroll + u)
+            return c
+        lax.fori_loop(0, count // unroll, group, None)
+
+    if lay.cfg.copy_warps and not lay.interpret:
+        plgpu.warp_map(lambda warp: rows(warp * (BKV // 4), BKV // 4))
+    else:
+        rows(0, BKV)
+
+
+def _prefetch_rows(lay: _Launch, cta: _Cta, slot) -> None:
+    """`RowTuning.prefetch`: the tile's rows (the bytes each row copy reads) into L2."""
+    if not (lay.cfg.prefetch and lay.fp8) or lay.interpret:
+        return
+
+    def prefetch(j):
+        base = _source_row(cta, slot, j) * kvf.FP8_ROW_BYTES
+        for k in range(_FP8_COPY // _PREFETCH_BOX):
+            plgpu.async_prefetch(cta.kv_ref.at[pl.ds(base + k * _PREFETCH_BOX, _PREFETCH_BOX)])
+    _per_row(lay, prefetch)
+
+
 def _copy_rows(lay: _Launch, cta: _Cta, slot) -> None:
     """One (or, fp8 with `row_copies=2`, two) bulk copies per row of the tile into the
-    staging tile, `copy_unroll` rows per loop iteration."""
-    unroll = lay.cfg.copy_unroll
+    staging tile."""
     mode = plgpu.OOBFillMode.UNDEFINED     # the contiguous bulk copy (clamped at the end)
 
+    last = cta.kv_ref.shape[0] // kvf.FP8_ROW_BYTES - 1     # fp8: the cache's last row
+    in_bounds = (lay.fp8 and lay.cfg.in_bounds and lay.cfg.row_copies == 1
+                 and not lay.interpret and last >= 1)
+
     def copy(j):
-        ident = cta.idx_smem[slot, j]
-        src = jnp.maximum(ident, -1 - ident)   # masked -1 - r -> r, a selected row
+        src = _source_row(cta, slot, j)
         full = cta.bars.full
         if not lay.fp8:
             plgpu.copy_gmem_to_smem(cta.kv_ref.at[src], cta.stage.at[0, j, pl.ds(0, _WIDTH)],
                                     full, oob_mode=mode)
             return
-        base = src * kvf.FP8_ROW_BYTES
+        base, row = src * kvf.FP8_ROW_BYTES, lay.row0 + j
+        if in_bounds:   # the last row's copy ends at the row's end, starting 112 B early
+            back = jnp.where(src == last, _FP8_COPY - kvf.FP8_ROW_BYTES, 0)
+            plgpu.copy_gmem_to_smem(
+                cta.kv_ref.at[pl.ds(base - back, _FP8_COPY)],
+                cta.stage_flat.at[pl.ds(row * lay.pitch - back, _FP8_COPY)], full,
+                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+            return
         if lay.cfg.row_copies == 1:
             plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, _FP8_COPY)],
-                                    cta.stage.at[0, j, pl.ds(0, _FP8_COPY)], full, oob_mode=mode)
+                                    cta.stage.at[0, row, pl.ds(0, _FP8_COPY)], full,
+                                    oob_mode=mode)
             return
-        plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, 640)], cta.stage.at[0, j, pl.ds(0, 640)],
-                                full, oob_mode=mode)
+        plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base, 640)],
+                                cta.stage.at[0, row, pl.ds(0, 640)], full, oob_mode=mode)
         plgpu.copy_gmem_to_smem(cta.kv_ref.at[pl.ds(base + kvf.ROPE_OFFSET, 128)],
-                                cta.stage.at[0, j, pl.ds(640, 128)], full, oob_mode=mode)
-
-    def group(i, c):
-        for u in range(unroll):
-            copy(i * unroll + u)
-        return c
-    lax.fori_loop(0, BKV // unroll, group, None)
+                                cta.stage.at[0, row, pl.ds(640, 128)], full, oob_mode=mode)
+    _per_row(lay, copy)
 
 
 # ------------------------------------------------------------------------------ consumers
@@ -277,10 +347,12 @@ def _scratch_types(lay: _Launch) -> list:
     """The kernel's SMEM scratch and barriers, in `_body`'s order."""
     tiled = (plgpu.TilingTransform((8, _CHUNK)), plgpu.SwizzleTransform(128))
     if lay.fp8:
-        stage = plgpu.SMEM((1, BKV, lay.pitch), jnp.uint8)
+        rows = lay.row0 + BKV
+        stage = plgpu.SMEM((1, rows, lay.pitch), jnp.uint8)
         if not lay.interpret:
-            stage = plgpu.RefUnion(stage, plgpu.SMEM((1, BKV, lay.pitch // 4), jnp.float32),
-                                   plgpu.SMEM((1, BKV, lay.pitch // 2), jnp.bfloat16))
+            stage = plgpu.RefUnion(stage, plgpu.SMEM((1, rows, lay.pitch // 4), jnp.float32),
+                                   plgpu.SMEM((1, rows, lay.pitch // 2), jnp.bfloat16),
+                                   plgpu.SMEM((rows * lay.pitch,), jnp.uint8))
     else:
         stage = plgpu.SMEM((1, BKV, lay.pitch // 2), jnp.bfloat16)
     scratch = [
@@ -318,7 +390,8 @@ def smem_bytes(kv_format: str, share_p: bool = False) -> int:
     pitch = _FP8_PITCH if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
     kib = lambda n: -(-n // 1024) * 1024      # noqa: E731
     shared = kib(BLOCK_H * BKV * 2) + kib(2 * BLOCK_H * 4) if share_p else 0
-    return (kib(BLOCK_H * _WIDTH * 2) + kib(BKV * _WIDTH * 2) + kib(BKV * pitch)
+    rows = BKV + (1 if pitch == _FP8_PITCH else 0)     # fp8: a row of slack (`_Launch.row0`)
+    return (kib(BLOCK_H * _WIDTH * 2) + kib(BKV * _WIDTH * 2) + kib(rows * pitch)
             + kib(2 * BKV * 4) + kib(2 * 4) + shared)
 
 

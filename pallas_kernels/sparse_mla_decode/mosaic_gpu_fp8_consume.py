@@ -52,6 +52,13 @@ class _Launch:
         return self.fmt == kvf.FP8_DS_MLA
 
     @property
+    def row0(self) -> int:
+        """The staging tile's first row: fp8 rows keep one row of slack in front, where the
+        in-bounds copy of the cache's last row (`RowTuning.in_bounds`) starts 112 bytes
+        early."""
+        return 1 if self.fp8 else 0
+
+    @property
     def share_p(self) -> bool:
         """Consumer 0 computes S and hands P to consumer 1: fp8 rows with RowTuning.share_p,
         on the GPU; under the interpreter only with one tile per CTA (jax 0.11-0.12's Mosaic
@@ -80,9 +87,10 @@ class _Cta(NamedTuple):
     o_smem2: Any
     lse_smem: Any
     kv_tile: Any
-    stage: Any        # the staging tile (uint8 [64, pitch] fp8, bf16 [64, pitch / 2] bf16)
+    stage: Any        # the staging tile (uint8 [row0 + 64, pitch] fp8, bf16 [64, pitch / 2])
     stage_f32: Any    # fp8 on the GPU: float32 view of the staging tile (else None)
     stage_bf16: Any   # fp8 on the GPU: bfloat16 view of the staging tile (else None)
+    stage_flat: Any   # fp8 on the GPU: the staging tile's bytes, flat (else None)
     idx_smem: Any
     anchor: Any       # int32 [2]: consumer w's word, always 0 (`RowTuning.anchor`)
     p_share: Any      # share_p: P of the tile, bf16 [64, 64] swizzled (else None)
@@ -219,8 +227,10 @@ def _tile_view(lay: _Launch, cta: _Cta, w: int) -> _Cta:
     shared-memory word the compiler cannot fold; `RowTuning.anchor`) or at 0."""
     z = cta.anchor[w] if lay.cfg.anchor else 0
     at = lambda ref: None if ref is None else ref.at[z]     # noqa: E731
-    return cta._replace(q_smem=at(cta.q_smem), kv_tile=at(cta.kv_tile), stage=at(cta.stage),
-                        stage_f32=at(cta.stage_f32), stage_bf16=at(cta.stage_bf16))
+    rows = lambda ref: (None if ref is None                 # noqa: E731
+                        else ref.at[z, pl.ds(lay.row0, BKV)] if lay.row0 else ref.at[z])
+    return cta._replace(q_smem=at(cta.q_smem), kv_tile=at(cta.kv_tile), stage=rows(cta.stage),
+                        stage_f32=rows(cta.stage_f32), stage_bf16=rows(cta.stage_bf16))
 
 
 def _load(lay: _Launch, ref, layout=None):

@@ -912,6 +912,7 @@ def test_row_kernel_masked_rows_are_never_read(fmt, request):
     ({"row_copies": 3}, "row_copies"), ({"copy_unroll": 5}, "copy_unroll"),
     ({"num_splits": 0}, "num_splits"), ({"compute_registers": 240, "producer_registers": 64},
                                         "registers"),
+    ({"copy_warps": True, "copy_unroll": 32}, "copy_unroll"),
 ])
 def test_row_tuning_rejects_bad_knobs(knobs, match):
     pytest.importorskip("pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8")

@@ -150,16 +150,15 @@ def mosaic_row_variants() -> dict:
         return {}
     return {
         "row": RowTuning(),
+        "row_nowarps": RowTuning(copy_warps=False),
+        "row_noprefetch": RowTuning(prefetch=False),
+        "row_noinbounds": RowTuning(in_bounds=False),
+        "row_dec05": RowTuning(copy_warps=False, prefetch=False, in_bounds=False),
         "row_noshare": RowTuning(share_p=False),
         "row_noanchor": RowTuning(anchor=False),
         "row_2copies": RowTuning(row_copies=2),
         "row_unroll1": RowTuning(copy_unroll=1),
         "row_autobar": RowTuning(auto_barriers=True),
-        "row_warps": RowTuning(copy_warps=True),
-        "row_prefetch": RowTuning(prefetch=True),
-        "row_warps_prefetch": RowTuning(copy_warps=True, prefetch=True),
-        "row_inbounds": RowTuning(in_bounds=True),
-        "row_warps_inbounds": RowTuning(copy_warps=True, in_bounds=True),
     }
 
 

@@ -145,9 +145,9 @@ class RowTuning:
     producer_registers: int = 40
     anchor: bool = True
     share_p: bool = True
-    copy_warps: bool = False
-    prefetch: bool = False
-    in_bounds: bool = False
+    copy_warps: bool = True
+    prefetch: bool = True
+    in_bounds: bool = True
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:

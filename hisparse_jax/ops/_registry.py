@@ -54,10 +54,11 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # What `backend=None` tries on a GPU, in order ("reference" always runs). The Mosaic GPU
 # attention kernels (the TMA-box kernel and the row-copy kernel that also reads fp8_ds_mla
-# rows) are registered but opt-in: the row-copy kernel is faster alone over fp8 rows at 128
-# heads, but the engine's decode step measured faster on the Triton kernel (which also runs
-# another group's host copies inside its launch, `sparse_mla_decode_with_copies`;
-# `bench/NOTES-sparse_mla.md`). So is jax's Mosaic GPU grouped matmul: it runs a full tile
+# rows) are registered but opt-in: the row-copy kernel is faster alone (fp8 rows at 16 and
+# 128 heads, bf16 rows at 128), but the engine's decode step was last measured faster on the
+# Triton kernel (which also runs another group's host copies inside its launch,
+# `sparse_mla_decode_with_copies`), and not yet with the row-copy kernel's present copies
+# (`bench/NOTES-sparse_mla.md`). So is jax's Mosaic GPU grouped matmul: it runs a full tile
 # for every group, empty or not (`pallas_kernels/grouped_matmul/mosaic_gpu.py`), where the
 # Triton kernel skips the empty ones.
 PREFERENCE: dict[str, tuple[str, ...]] = {

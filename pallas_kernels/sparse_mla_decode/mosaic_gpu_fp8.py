@@ -16,13 +16,21 @@ scale, -> bf16; bf16 rows: a plain re-layout) before the matmuls.
 Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selected rows):
   * 3 warpgroups: 2 consumers (compute) and 1 producer. The producer copies the tile's row ids
     to SMEM (one TMA of 64 int32, two slots) and issues one row copy per selected row (fp8:
-    768 bytes from the row's start, `row_copies=1`, which over-reads 112 bytes past the row
-    and is clamped at the cache's end; or 640 + 128 bytes, `row_copies=2`; bf16: 1152 bytes)
-    into the staging tile. Masked entries are redirected to a row the same query row selects
+    768 bytes, `row_copies=1`; or 640 + 128 bytes, `row_copies=2`; bf16: 1152 bytes) into
+    the staging tile, from its 4 warps at once (`RowTuning.copy_warps`: a copy is ~25
+    instructions with two mbarrier operations, and one warp issuing all 64 of a tile was what
+    bounded the kernel). An fp8 copy of 768 bytes reads 112 bytes past its row: for the
+    cache's last row it starts 112 bytes early instead, into a row of slack in front of the
+    staging tile, so every copy is in bounds (`in_bounds`; without it Mosaic clamps each copy
+    at the cache's end and completes the missing bytes on the barrier, one more mbarrier
+    operation a copy). Once a tile's copies are issued, the next tile's rows are prefetched
+    into L2 (`prefetch`): its copies may start only after this tile is converted.
+    Masked entries are redirected to a row the same query row selects
     (`mosaic_gpu.redirect_masked`): an unselected row is never read.
   * SMEM: Q [64, 576] bf16 (72 KiB; reused for the output at the end), ONE swizzled bf16 KV
-    tile [64, 576] (72 KiB) and ONE staging tile (fp8: 64 x 784 B, bf16: 64 x 1168 B; the row
-    pitch is the copy rounded up, plus 16 B so that consecutive rows start 4 banks apart).
+    tile [64, 576] (72 KiB) and ONE staging tile (fp8: 1 + 64 rows of 784 B, bf16: 64 x
+    1168 B; the row pitch is the copy rounded up, plus 16 B so that consecutive rows start 4
+    banks apart).
     A second KV tile does not fit next to a staging tile; so per tile the consumers first
     convert (staging -> KV tile, which frees the staging tile for the next tile's copies),
     then compute, and the producer's copies of tile t + 1 overlap the matmuls of tile t.
@@ -55,12 +63,13 @@ Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selecte
     writes its out = 0, lse = -inf.
 
 `interpret=True` runs the same kernel in Mosaic GPU interpret mode on the CPU (jax 0.11+). The
-differences: the typed staging views (above); P V reads P from SMEM with a fresh accumulator
-(the interpreter has neither `run_state` nor register-A wgmma; with share_p the shared P, else
-a P scratch per consumer); share_p only with one tile per CTA (jax's interpreter hung on it
-otherwise, and with both P buffers allocated; causes not found); the flat fp8 cache is padded
-with 112 zero bytes so the over-reading copy of the last row stays in bounds (on the GPU
-Mosaic clamps the copy at the end of the cache and completes the missing bytes).
+differences: the typed staging views (above); the same copies come from the warpgroup (no
+`copy_warps`: warp-level code is GPU only here), clamped (no `in_bounds`: the flat
+fp8 cache is padded with 112 zero bytes so that the last row's over-reading copy stays in
+bounds), and nothing is prefetched; P V reads P from SMEM with a fresh accumulator (the
+interpreter has neither `run_state` nor register-A wgmma; with share_p the shared P, else a P
+scratch per consumer); share_p only with one tile per CTA (jax's interpreter hung on it
+otherwise, and with both P buffers allocated; causes not found).
 """
 
 from __future__ import annotations

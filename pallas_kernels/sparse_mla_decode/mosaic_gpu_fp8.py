@@ -317,7 +317,7 @@ def _copy_rows(lay: _Launch, cta: _Cta, slot) -> None:
     staging tile."""
     mode = plgpu.OOBFillMode.UNDEFINED     # the contiguous bulk copy (clamped at the end)
 
-    last = cta.kv_ref.shape[0] // kvf.FP8_ROW_BYTES - 1     # fp8: the cache's last row
+    last = cta.kv_ref.shape[0] // kvf.FP8_ROW_BYTES - 1 if lay.fp8 else None  # the last row
     in_bounds = (lay.fp8 and lay.cfg.in_bounds and lay.cfg.row_copies == 1
                  and not lay.interpret and last >= 1)
 
@@ -396,10 +396,11 @@ def smem_bytes(kv_format: str, share_p: bool = False) -> int:
     """Shared memory of one CTA (each buffer rounded up to Pallas' 1 KiB alignment), the
     barriers aside: checked against the 227 KiB of a Hopper SM at trace time. `share_p`:
     the shared P and the alpha / l rows (`RowTuning.share_p`)."""
-    pitch = _FP8_PITCH if kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA else 2 * _BF16_PITCH
+    fp8 = kvf.check_kv_format(kv_format) == kvf.FP8_DS_MLA
+    pitch = _FP8_PITCH if fp8 else 2 * _BF16_PITCH
     kib = lambda n: -(-n // 1024) * 1024      # noqa: E731
     shared = kib(BLOCK_H * BKV * 2) + kib(2 * BLOCK_H * 4) if share_p else 0
-    rows = BKV + (1 if pitch == _FP8_PITCH else 0)     # fp8: a row of slack (`_Launch.row0`)
+    rows = BKV + int(fp8)                     # fp8: a row of slack (`_Launch.row0`)
     return (kib(BLOCK_H * _WIDTH * 2) + kib(BKV * _WIDTH * 2) + kib(rows * pitch)
             + kib(2 * BKV * 4) + kib(2 * 4) + shared)
 

@@ -36,7 +36,8 @@ bytes host -> device per step and host pool bytes per request, and adds the rati
 `e2e_decode-<backend>-<formats>.json`.
 
 `--attention-backend` picks `EngineConfig.tuning.attention` (the `sparse_mla_decode` backend:
-"reference", "triton", "mosaic_gpu", or "default", the registry's choice: "triton" on a GPU).
+"reference", "triton", "mosaic_gpu", or "default", the registry's choice: on a Hopper GPU
+"mosaic_gpu" over fp8_ds_mla rows, "triton" over bf16 rows).
 Each comma-separated entry is a backend for every `--kv-format`, or `FORMAT:BACKEND` for that
 format only; every group runs once per (kv format, backend) pair, in `--kv-format` order, each
 format's backends in the flag's order (pairs run one after another, not interleaved). Each run

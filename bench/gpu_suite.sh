@@ -246,6 +246,8 @@ run_step() {  # name, time limit in s, command...
             attn-n64-h128-fp8-row|attn-n256-h128-fp8-row|attn-n64-h16-fp8-row)
               n=${case#attn-n}; n=${n%%-*}; h=${case#attn-n*-h}; h=${h%%-*}
               one $case sparse_mla_decode attention --n "$n" --h "$h" --kv-format fp8_ds_mla --backend mosaic_gpu --tuning "${NCU_ROW_TUNING:-row}" ;;
+            # The same kernel over bf16 rows.
+            attn-n64-h128-bf16-row) one $case sparse_mla_decode attention --n 64 --h 128 --backend mosaic_gpu --tuning "${NCU_ROW_TUNING:-row}" ;;
             resolve-n64) one $case resolve resolve --n 64 ;;
             resolve-n256) one $case resolve resolve --n 256 ;;
             resolve-map-n64) one $case resolve resolve --n 64 --rule map ;;
@@ -268,7 +270,7 @@ run_step() {  # name, time limit in s, command...
       # defaults in one call: every candidate checked against the jnp reference, device time
       # and TFLOP/s at N x h_q = 64x128, 256x128, 64x16 (bench/ncu_kernels.py sweep). JSON to
       # $OUT (bench/results/ is full), printed lines in the log.
-      rows_sweep) run_step rows_sweep "${ROWS_SWEEP_LIMIT:-560}" python3 -m bench.ncu_kernels sweep --json "${ROWS_SWEEP_JSON:-$OUT/attention_rows_sweep.json}" --shapes "${ROWS_SWEEP_SHAPES:-64x128,256x128,64x16}" --budget-s "${ROWS_SWEEP_BUDGET:-420}" ;;
+      rows_sweep) run_step rows_sweep "${ROWS_SWEEP_LIMIT:-560}" python3 -m bench.ncu_kernels sweep --json "${ROWS_SWEEP_JSON:-$OUT/attention_rows_sweep.json}" --shapes "${ROWS_SWEEP_SHAPES:-64x128,256x128,64x16}" --budget-s "${ROWS_SWEEP_BUDGET:-420}" --candidates "${ROWS_SWEEP_CANDIDATES:-}" ;;
       # FlashMLA's sm90 sparse fp8 decode (V3.2 rows, the fp8_ds_mla layout) built with nvcc from
       # .flashmla/ (carried: bench/flashmla_side_by_side.py --make-bundle writes it), checked
       # against a float32 reference, timed at N x h_q = FLASHMLA_SHAPES, K = 2048 (CUDA events and

@@ -157,16 +157,21 @@ OPS = {"attention": _attention, "resolve": _resolve, "gather": _gather}
 
 # ------------------------------------------------------------------ sweep (one GPU call)
 
-def _sweep_plan() -> list[tuple[str, str, str, object]]:
+def _sweep_plan(only: str = "") -> list[tuple[str, str, str, object]]:
     """(kv_format, name, backend, config) of the candidates, in the order they run: per row
-    format the Triton default (the baseline), then the row-copy kernel's variants."""
+    format the Triton default (the baseline), then the row-copy kernel's variants; `only`
+    (comma-separated names, "" for all) keeps those variants and the baselines."""
     from bench.ops import sparse_mla_decode as bench
 
     plan = [(kvf.FP8_DS_MLA, "triton", "triton", None)]
     plan += [(kvf.FP8_DS_MLA, v, "mosaic_gpu", c) for v, c in bench.mosaic_row_variants().items()]
     plan += [(kvf.BF16, "triton", "triton", None)]
     plan += [(kvf.BF16, v, "mosaic_gpu", c) for v, c in bench.mosaic_row_bf16_variants().items()]
-    return plan
+    keep = {n for n in only.split(",") if n}
+    unknown = keep - {name for _, name, _, _ in plan}
+    if unknown:
+        raise ValueError(f"--candidates names no variant: {sorted(unknown)}")
+    return [c for c in plan if not keep or c[1] in keep | {"triton"}]
 
 
 def _device_times(f, sets, reps: int) -> dict:
@@ -246,13 +251,14 @@ def _sweep_one(fmt, name, backend, cfg, n, h, pools, ref_cache) -> dict:
     return entry
 
 
-def _sweep(path: str, shapes_text: str, budget_s: float) -> None:
+def _sweep(path: str, shapes_text: str, budget_s: float, only: str = "") -> None:
     import json
     import traceback
 
     from bench.ops import sparse_mla_decode as bench
 
     t_start = time.time()
+    plan, ref_cache = _sweep_plan(only), {}     # unknown --candidates: refused before any work
     shapes = [tuple(int(x) for x in s.split("x")) for s in shapes_text.split(",") if s]
     kv = jax.random.normal(jax.random.key(1), (bench.POOL_ROWS, bench.WIDTH), jnp.bfloat16)
     pools = {kvf.BF16: kv, kvf.FP8_DS_MLA: jax.block_until_ready(jax.jit(kvf.quantize)(kv))}
@@ -260,7 +266,6 @@ def _sweep(path: str, shapes_text: str, budget_s: float) -> None:
                        "device time (jax profiler) and TFLOP/s",
                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                "shapes": shapes, "results": [], "complete": False}
-    plan, ref_cache = _sweep_plan(), {}
 
     def save():
         with open(path, "w") as fh:
@@ -314,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="attention: the kernel (mosaic_gpu: the row-copy kernel, whose variants "
                         "`--tuning` names: bench.ops.sparse_mla_decode.mosaic_row_variants)")
     p.add_argument("--json", default="", help="sweep: where to write the JSON results")
+    p.add_argument("--candidates", default="",
+                   help="sweep: comma-separated row-copy variants to run (default: all; the "
+                        "Triton baselines always run)")
     p.add_argument("--shapes", default="64x128,256x128,64x16",
                    help="sweep: N x h_q shapes, K = 2048 (the first gets every candidate)")
     p.add_argument("--budget-s", type=float, default=420.0,
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.op == "sweep":
         if not args.json:
             p.error("sweep needs --json PATH")
-        _sweep(args.json, args.shapes, args.budget_s)
+        _sweep(args.json, args.shapes, args.budget_s, args.candidates)
         return
     if args.backend != "triton" and args.op != "attention":
         p.error(f"--backend is for attention, got {args.backend!r} for {args.op}")

@@ -62,13 +62,13 @@ from hisparse_jax.index_groups import (
 )
 from hisparse_jax.index_groups import group_slice as _group_slice
 from hisparse_jax.ops import (
-    _registry,
     gather_compact_group,
     invalidate_written_rows,
     resolve_residency,
     sparse_mla_decode,
     sparse_mla_decode_with_copies,
 )
+from hisparse_jax.ops.attention import runs_with_copies
 from hisparse_jax.state import HotState, empty_like, init_hot_state
 from pallas_kernels import kv_format as kvf
 from pallas_kernels._rows import flat_rows
@@ -465,7 +465,8 @@ class HiSparseKVCache:
         kv_format; backend as the op's). With a `pending` lookup of another index group whose
         copies have not run (`copy_with_attention`), they run in the same launch
         (`sparse_mla_decode_with_copies`), or before the attention where `backend` has no
-        implementation of that op (the registry's fallback, `_registry.runs_fused`). Returns
+        implementation of that op (the registry's fallback, `runs_with_copies`: backend None
+        follows the attention's default for these inputs). Returns
         (handle, out, lse, pending with its copies done: `land` it before that group
         attends)."""
         kw = {"sm_scale": sm_scale, "v_width": v_width, "kv_format": self.kv_format,
@@ -473,7 +474,7 @@ class HiSparseKVCache:
         if pending is None or pending.plan is None:  # no copies wait for an attention
             return (self, *sparse_mla_decode(q, self.caches[layer], attention_rows, **kw),
                     pending)
-        if not _registry.runs_fused("sparse_mla_decode_with_copies", backend):
+        if not runs_with_copies(q, self.caches[layer], attention_rows, **kw):
             cache, _ = self.land(pending, batch)       # its parts: the copies, the attention
             return (cache, *sparse_mla_decode(q, cache.caches[layer], attention_rows, **kw),
                     dataclasses.replace(pending, plan=None))

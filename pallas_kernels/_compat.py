@@ -150,6 +150,21 @@ def mosaic_gpu_interpret_available() -> bool:
     return hasattr(mosaic_gpu, "InterpretGPUParams")
 
 
+def not_hopper() -> str | None:
+    """None when the default device is a Hopper GPU (compute capability 9.x: wgmma,
+    setmaxnreg, what the Mosaic GPU kernels here are written for), else what it is."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError as e:  # pragma: no cover - no backend at all
+        return f"no device ({e})"
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return f"a {device.platform} device"
+    if not str(capability).startswith("9."):
+        return f"{getattr(device, 'device_kind', 'a GPU')} (compute capability {capability})"
+    return None
+
+
 def backends_initialized() -> bool:
     """Whether JAX has initialised its backends (after which XLA flags and allocator limits
     read from the environment no longer change). Private API; True when it cannot tell."""

@@ -51,3 +51,18 @@ def test_more_rows_than_the_pool_holds_are_refused(runs):
     proc = runs[TOO_MANY_ROWS]
     assert proc.returncode != 0
     assert "--rows" in proc.stderr
+
+
+def test_sweep_candidates_keep_the_named_variants_and_the_baselines():
+    from bench import ncu_kernels
+    from bench.ops.sparse_mla_decode import mosaic_row_variants
+
+    if not mosaic_row_variants():
+        pytest.skip("this jax has no Mosaic GPU Pallas: no row-copy variants")
+    plan = ncu_kernels._sweep_plan("row_noprefetch")
+    assert {(fmt, name) for fmt, name, _, _ in plan} == {
+        ("fp8_ds_mla", "triton"), ("fp8_ds_mla", "row_noprefetch"),
+        ("bf16", "triton"), ("bf16", "row_noprefetch")}
+    assert len(ncu_kernels._sweep_plan("")) > len(plan)
+    with pytest.raises(ValueError, match="--candidates.*row_nope"):
+        ncu_kernels._sweep_plan("row,row_nope")

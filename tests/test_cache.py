@@ -356,13 +356,17 @@ def test_attend_asks_the_registry_whether_the_copies_join_the_attention(monkeypa
     want = attend(cache)
     asked = []
 
-    def no_joint_op(op, backend):
-        asked.append((op, backend))
+    def no_joint_op(op, backend, *part_args, **part_kwargs):
+        asked.append((op, backend, [a.shape for a in part_args], part_kwargs))
         return False
 
     monkeypatch.setattr(_registry, "runs_fused", no_joint_op)
     got = attend(cache)
-    assert asked == [("sparse_mla_decode_with_copies", "reference")]
+    # Asked with the attention's flat operands (q [T, h, W], rows [R, W], ids [T, K]).
+    rows = cache.caches[0].shape[0] * cache.caches[0].shape[1]
+    assert asked == [("sparse_mla_decode_with_copies", "reference",
+                      [q.shape, (rows, W), found.attention_rows.shape],
+                      {"sm_scale": 0.5, "v_width": W, "kv_format": "bf16"})]
     chex.assert_trees_all_equal(got[0].caches, want[0].caches)
     chex.assert_trees_all_equal(got[1:], want[1:])
     assert got[3].plan is None

@@ -142,8 +142,9 @@ def mosaic_row_variants() -> dict:
     both consumers instead of P handed from one to the other (`share_p=False`, fp8 rows),
     constant tile addresses (`anchor=False`: the descriptors hoisted out of the tile loop
     and spilled), the copies issued from the producer's 4 warps (`copy_warps`), the next
-    tile's rows prefetched into L2 (`prefetch`, fp8 rows), the copies promised in bounds
-    (`in_bounds`, fp8 rows)."""
+    tile's rows prefetched into L2 (`prefetch`), the copies promised in bounds
+    (`in_bounds`, fp8 rows), 8 more registers per consumer thread (16 fewer per producer
+    thread)."""
     try:
         from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8 import RowTuning
     except ImportError:
@@ -158,20 +159,25 @@ def mosaic_row_variants() -> dict:
         "row_noanchor": RowTuning(anchor=False),
         "row_2copies": RowTuning(row_copies=2),
         "row_unroll1": RowTuning(copy_unroll=1),
+        "row_unroll4": RowTuning(copy_unroll=4),
+        "row_unroll16": RowTuning(copy_unroll=16),
+        "row_regs240": RowTuning(compute_registers=240, producer_registers=24),
+        "row_wide": RowTuning(wide_convert=True),
         "row_autobar": RowTuning(auto_barriers=True),
     }
 
 
 def mosaic_row_bf16_variants() -> dict:
     """Row-copy variants for bf16 rows (passed as the config of backend "mosaic_gpu"): the
-    default and Mosaic's optimized (bank-conflict checked) staging loads, which it plans for
-    the bf16 staging tile."""
+    default, without the L2 prefetch of the next tile's rows, and with Mosaic's optimized
+    (bank-conflict checked) staging loads, which it plans for the bf16 staging tile."""
     rows = mosaic_row_variants()
     if not rows:
         return {}
     import dataclasses
 
-    return {"row": rows["row"],
+    return {"row": rows["row"], "row_noprefetch": rows["row_noprefetch"],
+            "row_wide": rows["row_wide"],
             "row_optloads": dataclasses.replace(rows["row"], optimized_loads=True)}
 
 

@@ -8,8 +8,9 @@ these inputs, else the reason), called with the arguments of the function and `i
 Modules are imported on first use: `mosaic_gpu.py` needs a jax with Mosaic GPU Pallas.
 
 `select(op, backend, *args, **kwargs)` picks the backend a call runs:
-  * None: on a GPU, the first backend of the op's preference order whose `supports` accepts
-    the inputs; off a GPU (or when none does), "reference";
+  * None: on a GPU, the first backend of the op's preference order (for the call's
+    `kv_format`, where that has its own) whose `supports` accepts the inputs; off a GPU (or
+    when none does), "reference";
   * a name: that backend, or ValueError with the reason it cannot run the inputs (or that the
     op has no such backend); an unknown name is a ValueError listing `BACKENDS`;
   * "pallas" (the former name of the Triton data-plane kernels) is accepted as a deprecated
@@ -19,8 +20,11 @@ Off a GPU, kernels run in Pallas interpret mode (`implementation(...)` binds `in
 A fused op (`FUSED_PARTS`: one launch doing the work of several ops) has a fallback: where
 the requested backend has no implementation of it, its caller runs the parts instead, one
 after the other, with the same results. `runs_fused(op, backend)` answers which: the fused op
-for None (`select` then picks per platform, "reference" at worst) and for every backend it
-registers; the parts for any other backend. Callers ask it rather than test names.
+for every backend it registers and for None (`select` then picks per platform, "reference"
+at worst), unless for None the caller passes the inputs of the op's last part and the
+backend None picks for that part has no fused implementation (fp8_ds_mla rows on a Hopper
+GPU: the row-copy attention); the parts for any other backend. Callers ask it rather than
+test names.
 """
 
 from __future__ import annotations
@@ -52,15 +56,13 @@ _OPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grouped_matmul": ("grouped_matmul", ("reference", "triton", "mosaic_gpu")),
 }
 
-# What `backend=None` tries on a GPU, in order ("reference" always runs). The Mosaic GPU
-# attention kernels (the TMA-box kernel and the row-copy kernel that also reads fp8_ds_mla
-# rows) are registered but opt-in: the row-copy kernel is faster alone (fp8 rows at 16 and
-# 128 heads, bf16 rows at 128), but the engine's decode step was last measured faster on the
-# Triton kernel (which also runs another group's host copies inside its launch,
-# `sparse_mla_decode_with_copies`), and not yet with the row-copy kernel's present copies
-# (`bench/NOTES-sparse_mla.md`). So is jax's Mosaic GPU grouped matmul: it runs a full tile
-# for every group, empty or not (`pallas_kernels/grouped_matmul/mosaic_gpu.py`), where the
-# Triton kernel skips the empty ones.
+# What `backend=None` tries on a GPU, in order ("reference" always runs); per kv_format
+# overrides in PREFERENCE_BY_FORMAT. The Mosaic GPU attention kernels are opt-in over bf16
+# rows: the TMA-box kernel is slower than Triton's, and the row-copy kernel (faster alone at
+# 128 heads) is not measured end to end over bf16 rows and runs them only when given its
+# `RowTuning`. So is jax's Mosaic GPU grouped matmul: it runs a full tile for every group,
+# empty or not (`pallas_kernels/grouped_matmul/mosaic_gpu.py`), where the Triton kernel skips
+# the empty ones.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "resolve_residency": ("triton", "reference"),
     "resolve_residency_mapped": ("triton", "reference"),
@@ -72,6 +74,17 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "sparse_mla_decode": ("triton", "reference"),
     "sparse_mla_decode_with_copies": ("triton", "reference"),
     "grouped_matmul": ("triton", "reference"),
+}
+
+# (op, kv_format) -> the order `backend=None` tries for calls with that `kv_format` keyword.
+# fp8_ds_mla rows: the Mosaic GPU row-copy kernel first (Hopper, jax >= 0.11; elsewhere its
+# `supports` refuses and the Triton kernel runs). It is about 3x the Triton kernel alone and
+# the faster of the two in the engine's decode step at 256 requests, with another group's
+# host copies run before it rather than inside the Triton launch
+# (`bench/NOTES-sparse_mla.md`). The fused op with copies stays Triton's: where the
+# attention's default has no fused implementation, callers run the parts (`runs_fused`).
+PREFERENCE_BY_FORMAT: dict[tuple[str, str], tuple[str, ...]] = {
+    ("sparse_mla_decode", "fp8_ds_mla"): ("mosaic_gpu", "triton", "reference"),
 }
 
 
@@ -106,11 +119,13 @@ def normalize(backend: str | None) -> str | None:
     return backend
 
 
-def runs_fused(op: str, backend: str | None) -> bool:
+def runs_fused(op: str, backend: str | None, *part_args: Any, **part_kwargs: Any) -> bool:
     """Whether a call of the fused `op` with `backend=` runs `op` itself (True) or its parts,
     `FUSED_PARTS[op]`, one after the other (False: `op` has no `backend` implementation).
-    The rule is the module docstring's; the deprecated alias counts as its new name, silently
-    (the op's own call warns).
+    With backend None and `part_args` / `part_kwargs` (the arguments `select` takes for the
+    last part, e.g. the attention's flat q, rows and ids and its keywords), `backend` is the
+    one None picks for that part. The rule is the module docstring's; the deprecated alias
+    counts as its new name, silently (the op's own call warns).
 
     Raises:
       KeyError: `op` is not a fused op.
@@ -119,7 +134,9 @@ def runs_fused(op: str, backend: str | None) -> bool:
     if op not in FUSED_PARTS:
         raise KeyError(f"no fused op {op!r}; the fused ops are {tuple(FUSED_PARTS)}")
     if backend is None:
-        return True
+        if not part_args:
+            return True
+        backend = select(FUSED_PARTS[op][-1], None, *part_args, **part_kwargs)
     name = _DEPRECATED_ALIASES.get(backend, backend) if isinstance(backend, str) else backend
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
@@ -158,7 +175,8 @@ def select(op: str, backend: str | None, *args: Any, **kwargs: Any) -> str:
     if backend is None:
         if not _compat.has_gpu():
             return "reference"
-        for candidate in PREFERENCE[op]:
+        order = PREFERENCE_BY_FORMAT.get((op, kwargs.get("kv_format")), PREFERENCE[op])
+        for candidate in order:
             if unsupported(op, candidate, *args, **kwargs) is None:
                 return candidate
         return "reference"

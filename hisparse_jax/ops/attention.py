@@ -10,13 +10,15 @@ Backends (`backend=`, through `hisparse_jax.ops._registry`):
   "triton":     Pallas kernel through the Triton lowering (`.../triton.py`): vector-index row
                 gathers; bf16/f16, v_width a power of two and the rest of the row power-of-two
                 pieces (576 = 512 + 64). The default on a GPU when it supports the inputs.
-  "mosaic_gpu": Pallas Mosaic GPU kernels with wgmma; Hopper GPUs, jax >= 0.11. Opt-in. bf16
-                rows: the TMA-box kernel (`.../mosaic_gpu.py`; bf16/f16, D a multiple of 64,
+  "mosaic_gpu": Pallas Mosaic GPU kernels with wgmma; Hopper GPUs, jax >= 0.11. bf16
+                rows (opt-in): the TMA-box kernel (`.../mosaic_gpu.py`; bf16/f16, D a multiple of 64,
                 v_width a multiple of 128), or with a `mosaic_gpu_fp8.RowTuning` config the
                 row-copy kernel (`.../mosaic_gpu_fp8.py`: one bulk copy per row, rewritten
                 into the wgmma layout in shared memory; bf16 q, D 576, v_width 512);
                 fp8_ds_mla rows: the row-copy kernel.
-  None:         "triton" on a GPU when it supports the inputs, else "reference".
+  None:         on a GPU, fp8_ds_mla rows: "mosaic_gpu" where it runs (a Hopper GPU, jax >=
+                0.11), else "triton"; bf16 rows: "triton"; either only if it supports the
+                inputs, else "reference". Off a GPU, "reference".
 
 KV row formats (`kv_format=`, `pallas_kernels/kv_format.py`, `docs/kv_format.md`): "bf16" (rows
 of q's float dtype) on every backend; "fp8_ds_mla" (uint8[656] rows: fp8 latent with 4
@@ -95,6 +97,18 @@ def sparse_mla_decode(
     if backend != "reference":
         kw["tuning"] = config
     return unflatten(*attend(*flat, **kw))
+
+
+def runs_with_copies(q: jax.Array, kv_cache: jax.Array, attention_rows: jax.Array, *,
+                     sm_scale: float, v_width: int = 512, kv_format: str = "bf16",
+                     backend: str | None = None) -> bool:
+    """Whether `sparse_mla_decode_with_copies` with these attention arguments runs as one
+    launch (True) or as its parts, the copies and then `sparse_mla_decode` (False):
+    `_registry.runs_fused` with the attention's operands, so that backend None follows the
+    attention's own default (the Mosaic GPU row-copy kernel over fp8_ds_mla rows on a Hopper
+    GPU, which has no fused launch)."""
+    flat, kw, _ = _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format)
+    return _registry.runs_fused("sparse_mla_decode_with_copies", backend, *flat, **kw)
 
 
 def _flat_rows(q, kv_cache, attention_rows, sm_scale, v_width, kv_format):

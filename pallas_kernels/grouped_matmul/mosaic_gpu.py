@@ -37,6 +37,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _compat
+
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SMEM_BYTES = 232448  # opt-in shared memory per block on Hopper (227 KiB)
 
@@ -87,20 +89,6 @@ def _library():
     return ragged_dot_mgpu
 
 
-def _hopper() -> str | None:
-    """None when the default device is a Hopper GPU, else what it is."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError as e:  # pragma: no cover - no backend at all
-        return f"no device ({e})"
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or capability is None:
-        return f"a {device.platform} device"
-    if not str(capability).startswith("9."):
-        return f"{getattr(device, 'device_kind', 'a GPU')} (compute capability {capability})"
-    return None
-
-
 def supports(lhs, rhs, group_sizes=None, *, interpret: bool = False) -> str | None:
     """None when the library kernel runs these inputs (arrays or `jax.ShapeDtypeStruct`s with
     the arguments of `grouped_matmul`) with the `DEFAULT` tuning, else the reason: a Hopper
@@ -110,7 +98,7 @@ def supports(lhs, rhs, group_sizes=None, *, interpret: bool = False) -> str | No
     if interpret:
         return ("the mosaic_gpu grouped matmul (jax's ragged_dot_mgpu) has no interpret mode: "
                 "it runs on a Hopper GPU only")
-    other = _hopper()
+    other = _compat.not_hopper()
     if other is not None:
         return f"the mosaic_gpu grouped matmul needs a Hopper GPU (wgmma), got {other}"
     try:

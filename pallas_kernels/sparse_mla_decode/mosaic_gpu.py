@@ -111,17 +111,19 @@ DEFAULT = TuningConfig()
 
 def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
              v_width: int = 512, kv_format: str = kvf.BF16,
-             interpret: bool = False) -> str | None:
+             interpret: bool = False, device_check: bool = True) -> str | None:
     """None when this backend handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
     arguments of `sparse_mla_decode`), else the reason. "bf16" rows: bf16/f16, D % 64 == 0,
     v_width a multiple of 128 and <= 512; "fp8_ds_mla" rows: the row-copy kernel's rules
-    (`mosaic_gpu_fp8.supports`); with `interpret`, a jax with Mosaic GPU interpret mode."""
+    (`mosaic_gpu_fp8.supports`); a Hopper GPU (unless `device_check` is False: the kernel
+    entries, which may lower for CUDA on another host), or with `interpret` a jax with Mosaic
+    GPU interpret mode."""
     if kvf.check_kv_format(kv_format) != kvf.BF16:
         from pallas_kernels.sparse_mla_decode import mosaic_gpu_fp8
 
         return mosaic_gpu_fp8.supports(q, kv_rows, attention_rows, sm_scale=sm_scale,
                                        v_width=v_width, kv_format=kv_format,
-                                       interpret=interpret)
+                                       interpret=interpret, device_check=device_check)
     del kv_rows, attention_rows, sm_scale
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the mosaic_gpu kernel needs bfloat16 or float16 inputs, got {q.dtype}"
@@ -130,9 +132,20 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
         return f"the mosaic_gpu kernel needs the row width to be a multiple of 64, got {width}"
     if v_width % 128 or v_width > min(512, width):
         return f"the mosaic_gpu kernel needs v_width a multiple of 128 and <= 512, got {v_width}"
-    if interpret and not _compat.mosaic_gpu_interpret_available():
-        return (f"the mosaic_gpu kernel runs off the GPU only in Mosaic GPU interpret mode, "
-                f"which jax {jax.__version__} lacks (jax >= 0.11 has it)")
+    return platform_reason(interpret, device_check)
+
+
+def platform_reason(interpret: bool, device_check: bool = True) -> str | None:
+    """Where the Mosaic GPU kernels run: a Hopper GPU (checked when `device_check`), or
+    interpret mode (jax >= 0.11)."""
+    if interpret:
+        if not _compat.mosaic_gpu_interpret_available():
+            return (f"the mosaic_gpu kernel runs off the GPU only in Mosaic GPU interpret "
+                    f"mode, which jax {jax.__version__} lacks (jax >= 0.11 has it)")
+        return None
+    other = _compat.not_hopper() if device_check else None
+    if other is not None:
+        return f"the mosaic_gpu kernel needs a Hopper GPU (wgmma), got {other}"
     return None
 
 
@@ -479,7 +492,7 @@ def _tma_kernel_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Arr
     cfg = tuning or DEFAULT
     num_rows, h_q, width = q.shape
     top_k = attention_rows.shape[1]
-    reason = supports(q, kv_rows, v_width=v_width, interpret=interpret)
+    reason = supports(q, kv_rows, v_width=v_width, interpret=interpret, device_check=False)
     if reason is not None:
         raise ValueError(reason)
     bkv = cfg.block_kv

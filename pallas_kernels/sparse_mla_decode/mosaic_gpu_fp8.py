@@ -48,8 +48,9 @@ Design (one CTA per (query row, block of 64 heads, K split); tiles of 64 selecte
     read from SMEM (always 0, `RowTuning.anchor`): with constant addresses the compiler
     hoists Q K^T's 72 wgmma descriptors out of the loop, next to the 128-register
     accumulator, and spills them (ptxas).
-  * fp8 details: the latent chunk [64 rows, 64 bytes] is loaded in the WGMMA register layout,
-    bitcast to float8_e4m3fn and widened (e4m3 -> f16 is exact; f16 -> f32), multiplied by
+  * fp8 details: the latent chunk [64 rows, 64 bytes] is loaded in a register layout whose
+    rows are WGMMA's (WGMMA itself: 2 bytes a load; `RowTuning.wide_convert`: 8), bitcast to
+    float8_e4m3fn and widened (e4m3 -> f16 is exact; f16 -> f32), multiplied by
     the row's float32 scale and rounded to bf16 once. The scales and the rope are read on the
     GPU through typed views of the staging tile (a `RefUnion` of uint8, float32 and bfloat16
     views of the same bytes); under the interpreter (which keeps union members apart) they
@@ -83,9 +84,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat
 from pallas_kernels import kv_format as kvf
-from pallas_kernels.sparse_mla_decode.mosaic_gpu import BLOCK_H, _choose_splits, redirect_masked
+from pallas_kernels.sparse_mla_decode.mosaic_gpu import (
+    BLOCK_H,
+    _choose_splits,
+    platform_reason,
+    redirect_masked,
+)
 from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8_consume import (
     _CHUNK,
     _V,
@@ -134,15 +139,19 @@ class RowTuning:
     copy_warps: the producer's 4 warps each issue a quarter of the tile's row copies (warp-
       level lowering), instead of every copy going through the warpgroup's first thread one
       after another. GPU only: the interpreter runs the warpgroup loop (the same copies).
-    prefetch: fp8 rows only: once tile t's copies are issued, the producer asks L2 for the
-      768 bytes of every row of tile t + 1 (three 256-byte TMA prefetches a row), so those
-      copies, which may start only after tile t is converted, read L2 instead of DRAM. GPU
-      only: a prefetch changes no value, and the interpreter skips it.
+    prefetch: once tile t's copies are issued, the producer asks L2 for the bytes every row
+      copy of tile t + 1 reads (fp8: 768, three 256-byte TMA prefetches a row; bf16: 1152,
+      four of 256 and one of 128), so those copies, which may start only after tile t is
+      converted, read L2 instead of DRAM. GPU only: a prefetch changes no value, and the
+      interpreter skips it.
     in_bounds: fp8 rows with `row_copies=1`, on the GPU: every 768-byte copy stays inside
       the cache (the last row's starts 112 bytes before the row, into the row of slack in
       front of its staging row, `_Launch.row0`), so the copies are issued as promised in
       bounds: without the clamp at the cache's end and its completion of the missing bytes
       (one mbarrier operation a copy). The interpreter pads the cache instead.
+    wide_convert: the conversion's registers hold 8 consecutive columns of a row per thread
+      (Mosaic's WGMMA_UPCAST_4X layout): 8-byte fp8 (16-byte bf16) staging loads and 16-byte
+      stores into the KV tile, 4x fewer than with the WGMMA layout's 2 columns.
     """
 
     num_splits: int | None = None
@@ -157,6 +166,7 @@ class RowTuning:
     copy_warps: bool = True
     prefetch: bool = True
     in_bounds: bool = True
+    wide_convert: bool = False
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -179,11 +189,13 @@ DEFAULT = RowTuning()
 
 def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
              v_width: int = 512, kv_format: str = kvf.BF16,
-             interpret: bool = False) -> str | None:
+             interpret: bool = False, device_check: bool = True) -> str | None:
     """None when this kernel handles the inputs (arrays or `jax.ShapeDtypeStruct`s with the
     arguments of `sparse_mla_decode`), else the reason: a bfloat16 q of width 576, v_width
     512, rows of `kv_format` ("bf16": bfloat16 [R, 576]; "fp8_ds_mla": uint8 [R, 656] of at
-    most 2^31 - 768 bytes in all); with `interpret`, a jax with Mosaic GPU interpret mode."""
+    most 2^31 - 768 bytes in all); a Hopper GPU (unless `device_check` is False: the kernel
+    entry, which may lower for CUDA on another host), or with `interpret` a jax with Mosaic
+    GPU interpret mode."""
     del attention_rows, sm_scale
     fmt = kvf.check_kv_format(kv_format)
     if jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16) or q.shape[-1] != _WIDTH:
@@ -206,10 +218,7 @@ def supports(q, kv_rows, attention_rows=None, *, sm_scale: float | None = None,
     elif jnp.dtype(kv_rows.dtype) != jnp.dtype(jnp.bfloat16) or kv_rows.shape[-1] != _WIDTH:
         return (f"the mosaic_gpu row-copy kernel reads bf16 rows as bfloat16[{_WIDTH}], got "
                 f"{jnp.dtype(kv_rows.dtype).name}[{kv_rows.shape[-1]}]")
-    if interpret and not _compat.mosaic_gpu_interpret_available():
-        return (f"the mosaic_gpu kernel runs off the GPU only in Mosaic GPU interpret mode, "
-                f"which jax {jax.__version__} lacks (jax >= 0.11 has it)")
-    return None
+    return platform_reason(interpret, device_check)
 
 
 def _body(lay: _Launch, q_ref, kv_ref, rows_ref, out_ref, lse_ref, qo_union, kv_tile,
@@ -248,7 +257,6 @@ def _produce(lay: _Launch, cta: _Cta) -> None:
     for t in range(min(2, lay.tiles)):
         _copy_ids(cta, t, t)
     plgpu.barrier_wait(bars.idx.at[0])
-    _prefetch_rows(lay, cta, 0)
 
     def tile(t, c):
         @pl.when(t > 0)
@@ -301,12 +309,20 @@ def _per_row(lay: _Launch, fn) -> None:
 
 
 def _prefetch_rows(lay: _Launch, cta: _Cta, slot) -> None:
-    """`RowTuning.prefetch`: the tile's rows (the bytes each row copy reads) into L2."""
-    if not (lay.cfg.prefetch and lay.fp8) or lay.interpret:
+    """`RowTuning.prefetch`: the tile's rows (the bytes each row copy reads) into L2: fp8,
+    three 256-byte boxes of the flat cache; bf16 (1152 bytes), four of 256 and one of 128."""
+    if not lay.cfg.prefetch or lay.interpret:
         return
 
     def prefetch(j):
-        base = _source_row(cta, slot, j) * kvf.FP8_ROW_BYTES
+        src = _source_row(cta, slot, j)
+        if not lay.fp8:
+            per_box = _PREFETCH_BOX // 2                   # bf16 elements per 256 bytes
+            for k in range(-(-_WIDTH // per_box)):
+                width = min(per_box, _WIDTH - k * per_box)
+                plgpu.async_prefetch(cta.kv_ref.at[src, pl.ds(k * per_box, width)])
+            return
+        base = src * kvf.FP8_ROW_BYTES
         for k in range(_FP8_COPY // _PREFETCH_BOX):
             plgpu.async_prefetch(cta.kv_ref.at[pl.ds(base + k * _PREFETCH_BOX, _PREFETCH_BOX)])
     _per_row(lay, prefetch)
@@ -458,7 +474,8 @@ def sparse_mla_decode(q: jax.Array, kv_rows: jax.Array, attention_rows: jax.Arra
     Raises ValueError with `supports`' reason for inputs it cannot run.
     """
     cfg = tuning or DEFAULT
-    reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format, interpret=interpret)
+    reason = supports(q, kv_rows, v_width=v_width, kv_format=kv_format, interpret=interpret,
+                      device_check=False)
     if reason is not None:
         raise ValueError(reason)
     fmt = kvf.check_kv_format(kv_format)

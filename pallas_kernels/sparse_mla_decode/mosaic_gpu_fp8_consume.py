@@ -238,21 +238,31 @@ def _load(lay: _Launch, ref, layout=None):
                       optimized=lay.cfg.optimized_loads)
 
 
+def _convert_layout(lay: _Launch):
+    """The register layout of the conversion (`RowTuning.wide_convert`): WGMMA_UPCAST_4X
+    gives each thread 8 consecutive columns of a row (8-byte fp8 / 16-byte bf16 staging loads,
+    16-byte stores), WGMMA 2 (2-byte fp8 / 4-byte bf16 loads). Its rows are WGMMA's, so the
+    row scales broadcast from the same row layout."""
+    return plgpu.Layout.WGMMA_UPCAST_4X if lay.cfg.wide_convert else plgpu.Layout.WGMMA
+
+
 def _convert(lay: _Launch, cta: _Cta, w: int) -> None:
     """Consumer w's columns of the KV tile from the staging tile: latent columns
     [256 w, 256 w + 256) (4 chunks of 64) and, for w = 0, the 64 rope columns."""
     chunks = range(4 * w, 4 * w + 4)
+    layout = _convert_layout(lay)
     if not lay.fp8:
         for c in [*chunks, *([8] if w == 0 else [])]:
             cta.kv_tile[:, pl.ds(c * _CHUNK, _CHUNK)] = _load(
-                lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)])
+                lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)], layout)
         return
     scales = _fp8_scales(lay, cta, (2 * w, 2 * w + 1))
     for c in chunks:
-        raw = _load(lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)])       # uint8 [64, 64]
+        raw = _load(lay, cta.stage.at[:, pl.ds(c * _CHUNK, _CHUNK)], layout)   # uint8 [64, 64]
         x = lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
         x = x.astype(jnp.float16).astype(jnp.float32)                      # exact
-        x = x * lax.broadcast_in_dim(scales[c // 2 - 2 * w], x.shape, [0])
+        scale = lax.broadcast_in_dim(scales[c // 2 - 2 * w], x.shape, [0])
+        x = x * plgpu.layout_cast(scale, layout)
         cta.kv_tile[:, pl.ds(c * _CHUNK, _CHUNK)] = x.astype(jnp.bfloat16)
     if w == 0:
         cta.kv_tile[:, pl.ds(_V, _CHUNK)] = _fp8_rope(lay, cta)
@@ -279,7 +289,7 @@ def _fp8_rope(lay: _Launch, cta: _Cta):
     if lay.interpret:
         b = _load(lay, cta.stage.at[:, pl.ds(at, 2 * kvf.ROPE_DIM)])
         return lax.bitcast_convert_type(b.reshape(BKV, kvf.ROPE_DIM, 2), jnp.bfloat16)
-    return _load(lay, cta.stage_bf16.at[:, pl.ds(at // 2, kvf.ROPE_DIM)])
+    return _load(lay, cta.stage_bf16.at[:, pl.ds(at // 2, kvf.ROPE_DIM)], _convert_layout(lay))
 
 
 def _scores(lay: _Launch, cta: _Cta, bias):

@@ -89,8 +89,9 @@ def test_fp8_rows_run_on_every_backend_that_supports_them():
     """kv_format reaches every backend's supports(): fp8_ds_mla rows on the reference, the
     Triton kernel and the Mosaic GPU row-copy kernel (where this jax has Mosaic GPU: on the
     GPU or in its interpret mode; elsewhere refused with that reason), which refuses what it
-    cannot run with its reason (v_width other than 512); None picks the Triton kernel on a
-    GPU."""
+    cannot run with its reason (v_width other than 512); None picks the row-copy kernel on a
+    Hopper GPU (the Triton kernel where this jax lacks it), and the Triton kernel for bf16
+    rows."""
     kw = {"kv_format": "fp8_ds_mla"}
     assert _registry.select("sparse_mla_decode", "reference", *_fp8_args(), **kw) == "reference"
     assert _registry.select("sparse_mla_decode", "triton", *_fp8_args(), **kw) == "triton"
@@ -104,8 +105,18 @@ def test_fp8_rows_run_on_every_backend_that_supports_them():
     with pytest.raises(ValueError, match="backend='mosaic_gpu' cannot run these inputs.*"
                                          "v_width 512"):
         _registry.select("sparse_mla_decode", "mosaic_gpu", *_fp8_args(), v_width=256, **kw)
-    want = "triton" if ON_GPU else "reference"
+    # None: on a (Hopper) GPU the row-copy kernel where this jax has it, else Triton's; the
+    # fused op with copies is Triton's, so a caller with the attention's inputs runs the parts.
+    mosaic = _registry.unsupported("sparse_mla_decode", "mosaic_gpu", *_fp8_args(), **kw) is None
+    want = ("mosaic_gpu" if mosaic else "triton") if ON_GPU else "reference"
     assert _registry.select("sparse_mla_decode", None, *_fp8_args(), **kw) == want
+    assert _registry.runs_fused("sparse_mla_decode_with_copies", None, *_fp8_args(),
+                                **kw) == (want != "mosaic_gpu")
+    assert _registry.runs_fused("sparse_mla_decode_with_copies", None)
+    bf16 = (_fp8_args()[0], jax.ShapeDtypeStruct((64, 576), jnp.bfloat16), _fp8_args()[2])
+    assert _registry.select("sparse_mla_decode", None, *bf16) == (
+        "triton" if ON_GPU else "reference")
+    assert _registry.runs_fused("sparse_mla_decode_with_copies", None, *bf16)
     f16 = (jax.ShapeDtypeStruct((2, 16, 576), jnp.float16), *_fp8_args()[1:])
     assert _registry.select("sparse_mla_decode", None, *f16, **kw) == "reference"
 
@@ -152,3 +163,26 @@ def test_a_fused_op_runs_where_its_backend_is_registered_else_its_parts():
         _registry.runs_fused(op, "cuda")
     with pytest.raises(KeyError, match="no fused op 'sparse_mla_decode'"):
         _registry.runs_fused("sparse_mla_decode", None)
+
+
+def test_runs_fused_with_backend_none_follows_the_default_of_the_last_part(monkeypatch):
+    """backend None with the last part's inputs: the fused op where the backend None picks for
+    that part has it (triton, reference), the parts where it has not (mosaic_gpu: the row-copy
+    attention over fp8 rows on a Hopper GPU); without inputs, the fused op."""
+    picked = []
+
+    def pick(name):
+        def select(op, backend, *args, **kwargs):
+            picked.append((op, backend, len(args), kwargs))
+            return name
+        return select
+
+    for name, fused in (("mosaic_gpu", False), ("triton", True), ("reference", True)):
+        monkeypatch.setattr(_registry, "select", pick(name))
+        assert _registry.runs_fused("sparse_mla_decode_with_copies", None, *_fp8_args(),
+                                    kv_format="fp8_ds_mla") is fused
+        assert picked[-1] == ("sparse_mla_decode", None, 3, {"kv_format": "fp8_ds_mla"})
+    count = len(picked)
+    assert _registry.runs_fused("sparse_mla_decode_with_copies", None)
+    assert not _registry.runs_fused("sparse_mla_decode_with_copies", "mosaic_gpu")
+    assert len(picked) == count          # a named backend (or no inputs) asks no default

@@ -620,10 +620,14 @@ def test_fp8_against_bf16_rows_of_the_same_values(backend):
 
 def test_fp8_mosaic_gpu_takes_deepseek_rows_and_says_why_not_others():
     """The mosaic_gpu backend runs fp8 rows with its row-copy kernel (bf16 q of width 576,
-    v_width 512) and names the rule it cannot meet otherwise."""
+    v_width 512, a Hopper GPU) and names the rule it cannot meet otherwise."""
     supports = pytest.importorskip("pallas_kernels.sparse_mla_decode.mosaic_gpu").supports
     args = (sds((2, 16, 576), jnp.bfloat16), sds((64, 656), jnp.uint8), sds((2, 8)))
-    assert supports(*args, kv_format=FP8) is None
+    if _compat.has_gpu():                 # the GPU machine is a Hopper
+        assert supports(*args, kv_format=FP8) is None
+    else:
+        assert "needs a Hopper GPU (wgmma), got a cpu device" in supports(*args, kv_format=FP8)
+        assert supports(*args, kv_format=FP8, device_check=False) is None
     assert "v_width 512" in supports(*args, kv_format=FP8, v_width=256)
     f16 = (sds((2, 16, 576), jnp.float16), *args[1:])
     assert "bfloat16 q of width 576" in supports(*f16, kv_format=FP8)
@@ -854,16 +858,18 @@ ROW_CASES = {   # (kv_format, n, h, top_k, hole_frac, invalid_rows, RowTuning kn
     "fp8_holes_odd_k": (FP8, 3, 16, 37, 0.3, (1,), {}),
     "fp8_two_head_blocks_splits_two_copies": (FP8, 2, 128, 150, 0.5, (0,),
                                               {"num_splits": 2, "row_copies": 2}),
-    "fp8_odd_heads_unroll1_barriers": (FP8, 1, 80, 64, 0.0, (),
-                                       {"copy_unroll": 1, "auto_barriers": True}),
+    "fp8_odd_heads_unroll1_barriers_wide": (FP8, 1, 80, 64, 0.0, (),
+                                            {"copy_unroll": 1, "auto_barriers": True,
+                                             "wide_convert": True}),
     # The shared-P schedule runs under the interpreter with one tile per CTA only
     # (`mosaic_gpu_fp8_consume._Launch.share_p`): 2 tiles, 2 splits.
     "fp8_shared_p_splits_no_anchor": (FP8, 3, 128, 128, 0.4, (1,),
                                       {"share_p": True, "num_splits": 2, "anchor": False}),
     "fp8_shared_p_one_tile": (FP8, 2, 16, 50, 0.2, (), {"share_p": True}),
     "bf16_rows": ("bf16", 2, 16, 128, 0.3, (0,), {}),
-    "bf16_two_head_blocks_splits": ("bf16", 1, 128, 100, 0.2, (),
-                                    {"num_splits": 2, "copy_unroll": 4}),
+    "bf16_two_head_blocks_splits_wide": ("bf16", 1, 128, 100, 0.2, (),
+                                         {"num_splits": 2, "copy_unroll": 4,
+                                          "wide_convert": True}),
 }
 
 
@@ -872,7 +878,7 @@ def test_row_kernel_cases_match_float64(case, request):
     """The row-copy kernel against float64 (fp8: on the dequantized rows): holes, all-masked
     rows (0 / -inf), odd K, K splits, 1 and 2 head blocks, the last row of the cache
     selected, every knob that changes the program (two copies per fp8 row, copy unroll,
-    Pallas' automatic barriers)."""
+    Pallas' automatic barriers, the wide conversion layout)."""
     if INTERPRET and rerun_isolated(request):
         return
     fmt, n, h, top_k, hole_frac, invalid, knobs = ROW_CASES[case]

@@ -9,10 +9,11 @@ Backends (`backend=`, through `hisparse_jax.ops._registry`):
                 any platform, bf16/f16/f32.
   "triton":     Pallas kernel through the Triton lowering (`.../triton.py`): vector-index row
                 gathers; bf16/f16, v_width a power of two and the rest of the row power-of-two
-                pieces (576 = 512 + 64). The default on a GPU when it supports the inputs.
-  "mosaic_gpu": Pallas Mosaic GPU kernels with wgmma; Hopper GPUs, jax >= 0.11. bf16
-                rows (opt-in): the TMA-box kernel (`.../mosaic_gpu.py`; bf16/f16, D a multiple of 64,
-                v_width a multiple of 128), or with a `mosaic_gpu_fp8.RowTuning` config the
+                pieces (576 = 512 + 64). The default on a GPU over bf16 rows (and over fp8
+                rows where the row-copy kernel cannot run) when it supports the inputs.
+  "mosaic_gpu": Pallas Mosaic GPU kernels with wgmma; Hopper GPUs, jax >= 0.11. bf16 rows
+                (opt-in): the TMA-box kernel (`.../mosaic_gpu.py`; bf16/f16, D a multiple of
+                64, v_width a multiple of 128), or with a `mosaic_gpu_fp8.RowTuning` config the
                 row-copy kernel (`.../mosaic_gpu_fp8.py`: one bulk copy per row, rewritten
                 into the wgmma layout in shared memory; bf16 q, D 576, v_width 512);
                 fp8_ds_mla rows: the row-copy kernel.

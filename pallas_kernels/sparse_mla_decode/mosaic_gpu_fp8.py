@@ -151,7 +151,8 @@ class RowTuning:
       (one mbarrier operation a copy). The interpreter pads the cache instead.
     wide_convert: the conversion's registers hold 8 consecutive columns of a row per thread
       (Mosaic's WGMMA_UPCAST_4X layout): 8-byte fp8 (16-byte bf16) staging loads and 16-byte
-      stores into the KV tile, 4x fewer than with the WGMMA layout's 2 columns.
+      stores into the KV tile, 4x fewer than with the WGMMA layout's 2 columns. Off: it
+      measured slower, fp8 and bf16 rows (`bench/NOTES-sparse_mla.md`).
     """
 
     num_splits: int | None = None

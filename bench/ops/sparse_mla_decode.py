@@ -144,7 +144,7 @@ def mosaic_row_variants() -> dict:
     and spilled), the copies issued from the producer's 4 warps (`copy_warps`), the next
     tile's rows prefetched into L2 (`prefetch`), the copies promised in bounds
     (`in_bounds`, fp8 rows), 8 more registers per consumer thread (16 fewer per producer
-    thread)."""
+    thread), the conversion in the wide register layout (`wide_convert`)."""
     try:
         from pallas_kernels.sparse_mla_decode.mosaic_gpu_fp8 import RowTuning
     except ImportError:
@@ -169,8 +169,9 @@ def mosaic_row_variants() -> dict:
 
 def mosaic_row_bf16_variants() -> dict:
     """Row-copy variants for bf16 rows (passed as the config of backend "mosaic_gpu"): the
-    default, without the L2 prefetch of the next tile's rows, and with Mosaic's optimized
-    (bank-conflict checked) staging loads, which it plans for the bf16 staging tile."""
+    default, without the L2 prefetch of the next tile's rows, the wide conversion layout,
+    and Mosaic's optimized (bank-conflict checked) staging loads, which it plans for the bf16
+    staging tile."""
     rows = mosaic_row_variants()
     if not rows:
         return {}
